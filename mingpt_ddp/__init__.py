@@ -1,0 +1,1 @@
+"""mingpt-ddp: a minGPT trainer for multi-node PyTorch DDP."""

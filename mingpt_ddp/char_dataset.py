@@ -1,0 +1,198 @@
+"""Text to tensors: a character vocabulary, one encoded tensor, train/validation windows.
+
+The split is contiguous (the last `val_fraction` of the text is validation) and identical
+on every rank, and windows never cross it, so no validation character is ever trained on.
+Training windows do not overlap within an epoch; their offset changes per epoch so every
+position is a window boundary in some epoch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import fsspec
+import torch
+from torch.utils.data import Dataset, DistributedSampler
+
+from mingpt_ddp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+def read_text(path: str) -> str:
+    """Read a whole UTF-8 text through fsspec (local path or URL)."""
+    try:
+        with fsspec.open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"data file not found: {path}: set data.path=<a UTF-8 text file or URL>"
+        ) from None
+    except IsADirectoryError:
+        raise ConfigError(f"data.path={path} is a directory: point it at a text file") from None
+    except PermissionError as exc:
+        raise ConfigError(f"cannot read data file {path}: {exc}") from None
+    if not raw:
+        raise ConfigError(f"data file {path} is empty: put training text in it or set data.path")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"data file {path} is not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}): "
+            "convert it, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`, and set data.path"
+        ) from None
+
+
+def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none."""
+    directory = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(directory, exist_ok=True)
+    log.info("downloading %s -> %s", url, dest)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise ConfigError(
+            f"data file {dest} is missing and downloading it from {url} failed ({exc}): "
+            f"put a UTF-8 text file at {dest}, or set data.path=<your text file>"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def ensure_local_copy(path: str, url: Optional[str]) -> None:
+    """Download the corpus to a missing local `path` when a download URL is configured."""
+    if url and "://" not in path and not os.path.exists(path):
+        download(url, path)
+
+
+def _codepoints(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Sorted set of characters; stored in every snapshot so sampling decodes the same way."""
+
+    chars: str
+
+    @classmethod
+    def from_text(cls, text: str) -> "Vocabulary":
+        return cls("".join(sorted(set(text))))
+
+    @property
+    def size(self) -> int:
+        return len(self.chars)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Ids as a compact tensor, via one table lookup over the code points (no Python loop)."""
+        unknown = sorted(set(text) - set(self.chars))
+        if unknown:
+            raise ConfigError(f"text has characters outside the vocabulary: {''.join(unknown)!r}")
+        codepoints = _codepoints(text)
+        vocab_codepoints = _codepoints(self.chars).long()
+        table = torch.zeros(int(vocab_codepoints.max()) + 1 if self.size else 1, dtype=torch.int32)
+        table[vocab_codepoints] = torch.arange(self.size, dtype=torch.int32)
+        dtype = torch.uint8 if self.size <= 256 else torch.int32
+        return table[codepoints.long()].to(dtype)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+
+class CharCorpus:
+    """One encoded tensor of the whole text, split contiguously into train and validation."""
+
+    def __init__(self, text: str, val_fraction: float, vocab: Optional[Vocabulary] = None):
+        self.vocab = vocab or Vocabulary.from_text(text)
+        self.tokens = self.vocab.encode(text)
+        n_val = int(len(self.tokens) * val_fraction)
+        self.train_tokens = self.tokens[: len(self.tokens) - n_val]
+        self.val_tokens = self.tokens[len(self.tokens) - n_val :]
+
+    def check_block_size(self, block_size: int) -> None:
+        """A window needs block_size + 1 tokens (inputs and shifted targets)."""
+        for name, part in (("training", self.train_tokens), ("validation", self.val_tokens)):
+            if len(part) < block_size + 1:
+                raise ConfigError(
+                    f"data.block_size={block_size} is larger than the {name} split "
+                    f"({len(part)} characters): lower data.block_size (at most {max(1, len(part) - 1)}), "
+                    "change data.val_fraction, or use a larger text"
+                )
+
+
+class WindowDataset(Dataset):
+    """Non-overlapping (input, target) windows of `block_size` starting at `offset`.
+
+    Item i is tokens[offset + i*T : offset + (i+1)*T] and the same shifted by one.
+    `batch()` gathers many windows with one indexing op instead of Python per item.
+    """
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, offset: int = 0):
+        self.tokens = tokens
+        self.block_size = block_size
+        self.offset = offset
+        self._columns = torch.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1 - self.offset) // self.block_size)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.offset + i * self.block_size
+        chunk = self.tokens[start : start + self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = self.offset + indices * self.block_size
+        chunks = self.tokens[starts[:, None] + self._columns].long()
+        return chunks[:, :-1], chunks[:, 1:]
+
+    def token_range(self, i: int) -> range:
+        """The token positions window i reads (inputs and targets)."""
+        start = self.offset + i * self.block_size
+        return range(start, start + self.block_size + 1)
+
+
+def epoch_offset(seed: int, epoch: int, block_size: int) -> int:
+    """Where the first training window of `epoch` starts; identical on every rank."""
+    if epoch == 0:
+        return 0
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return int(torch.randint(block_size, (1,), generator=g))
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler's shuffled order, able to start part-way through an epoch.
+
+    The epoch's order is one permutation of all windows (seeded by seed + epoch, the same
+    for every world size); rank r takes every world_size-th index from a global
+    `start` position. Resuming at the number of windows all ranks consumed so far therefore
+    continues with exactly the windows not yet seen, even if the world size changed.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int, rank: int, seed: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.start = 0
+
+    def set_start(self, global_position: int) -> None:
+        self.start = global_position
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.dataset), generator=g)
+        usable = (len(order) - self.start) // self.num_replicas * self.num_replicas
+        mine = order[self.start : self.start + usable][self.rank :: self.num_replicas]
+        return iter(mine.tolist())
+
+    def __len__(self) -> int:
+        return max(0, len(self.dataset) - self.start) // self.num_replicas

@@ -1,0 +1,168 @@
+"""Typed configuration: the schema Hydra checks every override against.
+
+Each dataclass mirrors one group under ``conf/`` (model, data, optimizer, trainer).
+Registering them in Hydra's ConfigStore means a wrong type (``trainer.max_epochs=abc``)
+or an unknown key (``trainer.max_epoch=3``) is rejected by Hydra with a clear message
+before any of our code runs. Checks a type cannot express live in :func:`validate`.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from mingpt_ddp.errors import ConfigError
+
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+
+
+class Precision(str, Enum):
+    """Numeric precision of the forward/backward pass (weights stay fp32)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    auto = "auto"  # bf16 on GPUs that support it, else fp16 on GPU; fp32 on CPU
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 192
+    dropout: float = 0.1
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tinyshakespeare.txt"
+    block_size: int = 128
+    val_fraction: float = 0.1
+    # Where to fetch the corpus when `path` does not exist; null never downloads.
+    download_url: Optional[str] = TINY_SHAKESPEARE_URL
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 100
+
+
+@dataclass
+class TrainerConfig:
+    max_epochs: int = 5
+    max_steps: Optional[int] = None
+    batch_size: int = 32
+    grad_accum_steps: int = 1
+    precision: Precision = Precision.auto
+    grad_clip: float = 1.0
+    eval_every: int = 250
+    eval_batches: Optional[int] = None
+    log_every: int = 10
+    save_every: int = 1
+    snapshot_every_steps: Optional[int] = None
+    snapshot_every_minutes: Optional[float] = None
+    keep_last: int = 2
+    snapshot_path: Optional[str] = None
+    seed: int = 1337
+    compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+def run_id() -> str:
+    """A name for this run that every rank, and every restart of the job, agrees on.
+
+    Hydra's default ``${now:...}`` is read separately by each process and can differ by a
+    second between ranks, which would split one run over two directories.
+    """
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID")
+    slurm = os.environ.get("SLURM_JOB_ID")
+    if elastic and elastic != "none":
+        return f"torchrun-{elastic}"
+    if slurm:
+        array_task = os.environ.get("SLURM_ARRAY_TASK_ID")
+        return f"slurm-{slurm}" + (f"_{array_task}" if array_task else "")
+    if elastic == "none":
+        # torchrun without --standalone/--rdzv_id: all local workers share their agent.
+        return f"torchrun-{os.uname().nodename}-{os.getppid()}"
+    return time.strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def _is_main_process() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+
+
+def _hydra_output_subdir() -> Optional[str]:
+    """Only the main process writes `.hydra/`, so ranks never race on the same files."""
+    return ".hydra" if _is_main_process() else None
+
+
+def register() -> None:
+    """Register the schema and the resolvers that conf/config.yaml uses."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=Config)
+    for name, resolver in (("run_id", run_id), ("hydra_output_subdir", _hydra_output_subdir)):
+        if not OmegaConf.has_resolver(name):
+            # Cached: a run id must not change between two reads in one process.
+            OmegaConf.register_new_resolver(name, resolver, use_cache=True)
+
+
+def _positive(value: Any, name: str, fix: str) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{name} must be positive, got {value}: {fix}")
+
+
+def validate(cfg: Any) -> None:
+    """Checks that types alone cannot express; each message names the fix."""
+    m, d, o, t = cfg.model, cfg.data, cfg.optimizer, cfg.trainer
+    for name in ("n_layer", "n_head", "n_embd"):
+        _positive(m[name], f"model.{name}", f"set model.{name}=<positive integer>")
+    if m.n_embd % m.n_head != 0:
+        raise ConfigError(
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}: "
+            f"choose n_embd as a multiple of n_head (e.g. model.n_embd={m.n_head * max(1, m.n_embd // m.n_head)})"
+        )
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
+    _positive(d.block_size, "data.block_size", "set data.block_size=<context length, e.g. 128>")
+    if not 0.0 < d.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.1)")
+    _positive(o.lr, "optimizer.lr", "set optimizer.lr, e.g. optimizer.lr=6e-4")
+    if o.min_lr < 0 or o.min_lr > o.lr:
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ConfigError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
+    if o.warmup_steps < 0 or o.weight_decay < 0:
+        raise ConfigError("optimizer.warmup_steps and optimizer.weight_decay must not be negative")
+    _positive(t.max_epochs, "trainer.max_epochs", "set trainer.max_epochs=<number of epochs>")
+    if t.max_steps is not None:
+        _positive(t.max_steps, "trainer.max_steps", "set trainer.max_steps=<steps> or null for no cap")
+    _positive(t.batch_size, "trainer.batch_size", "set trainer.batch_size=<sequences per process>")
+    _positive(t.grad_accum_steps, "trainer.grad_accum_steps", "set trainer.grad_accum_steps=1 or more")
+    for name in ("eval_every", "log_every", "save_every", "keep_last"):
+        _positive(t[name], f"trainer.{name}", f"set trainer.{name} to 1 or more")
+    if t.eval_batches is not None:
+        _positive(t.eval_batches, "trainer.eval_batches", "set it to null to evaluate the whole split")
+    if t.snapshot_every_steps is not None:
+        _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
+    if t.snapshot_every_minutes is not None:
+        _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
+    if t.grad_clip < 0:
+        raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")

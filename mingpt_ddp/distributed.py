@@ -1,0 +1,192 @@
+"""Where this process stands in the job: rank, device, backend and the process group.
+
+Reads torchrun's environment, or Slurm's when srun starts one task per process without
+torchrun (as Hydra's submitit launcher does), or runs as a single process.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+import torch.distributed as torch_dist
+
+from mingpt_ddp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: Optional[int] = None) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _slurm_first_node() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
+        )
+        if out.returncode == 0 and out.stdout.split():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return nodelist.split(",")[0] or "127.0.0.1"
+
+
+def read_topology() -> tuple[int, int, int, int]:
+    """(rank, local_rank, world_size, local_world_size) from torchrun, Slurm, or alone.
+
+    Under srun without torchrun (one Slurm task per process), RANK/WORLD_SIZE/LOCAL_RANK
+    and MASTER_ADDR/MASTER_PORT are derived from SLURM_* and exported for env:// init.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        local_rank = _env_int("LOCAL_RANK", 0)
+        local_world = _env_int("LOCAL_WORLD_SIZE", world)
+        return rank, local_rank, world, local_world
+    ntasks = _env_int("SLURM_NTASKS", 1)
+    if "SLURM_PROCID" in os.environ and ntasks > 1 and "SLURM_STEP_ID" in os.environ:
+        rank, local_rank = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0)
+        local_world = _env_int("SLURM_NTASKS_PER_NODE", None) or ntasks // max(1, _env_int("SLURM_NNODES", 1))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(ntasks), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local_world))
+        os.environ.setdefault("MASTER_ADDR", _slurm_first_node())
+        # A per-job port: several jobs may share a node.
+        os.environ.setdefault("MASTER_PORT", str(20000 + _env_int("SLURM_JOB_ID", 0) % 20000))
+        return rank, local_rank, ntasks, local_world
+    return 0, 0, 1, 1
+
+
+def pick_device(local_rank: int) -> tuple[torch.device, str]:
+    """cuda:LOCAL_RANK with NCCL where CUDA is available, else CPU with gloo."""
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
+                f"start at most {torch.cuda.device_count()} processes per node (--nproc_per_node)"
+            )
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def cpu_threads_per_process(local_world_size: int) -> int:
+    """Share this node's cores between its processes instead of oversubscribing them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
+def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """The rendezvous store, with keys private to this restart generation.
+
+    After torchrun restarts killed workers, the new workers could read the previous
+    generation's gloo addresses from the agent's store; a prefix per restart keeps each
+    generation's keys apart (see shared/notes/torchrun-restarts.md).
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = torch_dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0 and not agent_hosts_store), timeout=timeout
+    )
+    generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return torch_dist.PrefixStore(f"mingpt_ddp/generation_{generation}", store)
+
+
+def setup(timeout_minutes: float = 30.0) -> DistEnv:
+    """Pick the device, size the CPU thread pool and join the process group."""
+    rank, local_rank, world_size, local_world_size = read_topology()
+    device, backend = pick_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(cpu_threads_per_process(local_world_size))
+    if world_size > 1 and not torch_dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        torch_dist.init_process_group(
+            backend, store=_process_group_store(rank, world_size, timeout),
+            rank=rank, world_size=world_size, timeout=timeout,
+        )
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+
+
+def teardown() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if torch_dist.is_initialized():
+        torch_dist.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Rank `src`'s object on every rank (the object itself when not distributed)."""
+    if not torch_dist.is_initialized():
+        return obj
+    holder = [obj]
+    torch_dist.broadcast_object_list(holder, src=src)
+    return holder[0]
+
+
+def all_gather_object(obj: Any) -> list:
+    if not torch_dist.is_initialized():
+        return [obj]
+    out: list = [None] * torch_dist.get_world_size()
+    torch_dist.all_gather_object(out, obj)
+    return out
+
+
+def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: bool = False) -> T:
+    """Run `fn` on rank 0 (or on each node's local rank 0) and share the outcome.
+
+    For work only one process may do (write to the filesystem, download): every rank
+    gets rank 0's result, or raises the same ConfigError if any runner failed, so nobody
+    waits forever on a rank that gave up.
+    """
+    runs_here = dist.local_rank == 0 if once_per_node else dist.is_main
+    result, error = None, None
+    if runs_here:
+        try:
+            result = fn()
+        except ConfigError as exc:
+            error = str(exc)
+    outcomes = all_gather_object((result, error))
+    errors = [e for _, e in outcomes if e is not None]
+    if errors:
+        raise ConfigError(errors[0])
+    return outcomes[0][0]
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if torch_dist.is_initialized():
+        torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
+    return tensor

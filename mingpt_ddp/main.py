@@ -1,0 +1,129 @@
+"""Train a character-level GPT with DDP: ``torchrun mingpt_ddp/main.py [overrides]``.
+
+The composition root: compose the config, join the process group, build data, model,
+snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user can fix
+(ConfigError) end here: one line from rank 0, exit code 2.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from mingpt_ddp import config, distributed
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, read_text
+from mingpt_ddp.distributed import DistEnv
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
+from mingpt_ddp.trainer import Trainer, seed_everything
+
+log = logging.getLogger("mingpt_ddp")
+config.register()
+
+
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, vocab: Optional[Vocabulary] = None) -> CharCorpus:
+    """Download the corpus once per node if it is missing, then read it on every rank."""
+    distributed.on_main_then_share(lambda: ensure_local_copy(cfg.path, cfg.download_url), dist, once_per_node=True)
+    corpus = CharCorpus(read_text(cfg.path), cfg.val_fraction, vocab)
+    corpus.check_block_size(cfg.block_size)
+    return corpus
+
+
+def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
+    """Refuse a snapshot made for another model or vocabulary, saying which part differs."""
+    saved = snapshot["model_config"]
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if saved[key] != getattr(model_cfg, key):
+            prefix = "data" if key == "block_size" else "model"
+            raise ConfigError(
+                f"snapshot {where} was trained with {prefix}.{key}={saved[key]} but the config says "
+                f"{getattr(model_cfg, key)}: set {prefix}.{key}={saved[key]} to resume it, or use a new "
+                "hydra.run.dir / trainer.snapshot_path to start a different model"
+            )
+    missing = sorted(set(text_vocab.chars) - set(snapshot["vocab"]))
+    if missing:
+        raise ConfigError(
+            f"snapshot {where} has a vocabulary of {len(snapshot['vocab'])} characters that lacks "
+            f"{''.join(missing)!r} found in data.path: resume with the text it was trained on, "
+            "or start a new run (new hydra.run.dir / trainer.snapshot_path)"
+        )
+
+
+def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
+    config.validate(cfg)
+    run_dir = HydraConfig.get().runtime.output_dir
+    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last)
+    distributed.on_main_then_share(store.check_writable, dist)
+    found = store.load_latest()
+
+    corpus = load_corpus(cfg.data, dist)
+    vocab = corpus.vocab
+    if found is not None:
+        snapshot, where = found
+        vocab = Vocabulary(snapshot["vocab"])
+    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
+    if found is not None:
+        check_compatible(snapshot, where, model_cfg, corpus.vocab)
+        if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
+            corpus = CharCorpus(read_text(cfg.data.path), cfg.data.val_fraction, vocab)
+
+    torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+    model = GPT(model_cfg)
+    seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
+
+    metadata = {
+        "vocab": vocab.chars,
+        "model_config": dict(vars(model_cfg)),
+        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+    }
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0)
+    trainer = Trainer(
+        cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
+        BackgroundSaver(store) if dist.is_main else None, metadata,
+    )
+    metrics.total_steps = trainer.total_steps
+    if found is not None:
+        trainer.load_state_dict(snapshot)
+        metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
+    if trainer.finished:
+        metrics.note(
+            f"run already finished (epoch {trainer.state.epoch}, step {trainer.state.step}, snapshot {where}): "
+            "nothing to do; raise trainer.max_epochs/max_steps to train further, or start a new run"
+        )
+        return trainer.state.last_val_loss
+    try:
+        return trainer.fit()
+    finally:
+        metrics.close()
+
+
+def _quiet_other_ranks(dist: DistEnv) -> None:
+    """Rank 0 tells the story; the other ranks only speak up for warnings."""
+    if not dist.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> Optional[float]:
+    try:
+        dist = distributed.setup()
+        _quiet_other_ranks(dist)
+        return train(cfg, dist)
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(ConfigError.exit_code)
+    finally:
+        distributed.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The training loop: one optimizer step, one evaluation, and when to save.
+
+How a snapshot reaches its storage is snapshot.py's business; what to train on is
+char_dataset.py's; this file only runs the loop under DDP.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from mingpt_ddp import distributed, precision
+from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset
+from mingpt_ddp.config import OptimizerConfig, TrainerConfig
+from mingpt_ddp.distributed import DistEnv
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog, measured_peak_flops, mfu
+from mingpt_ddp.model import GPT
+from mingpt_ddp.snapshot import BackgroundSaver, to_cpu
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """Where the run is. Together with model, optimizer, scaler and RNG: all a resume needs."""
+
+    epoch: int = 0  # the epoch in progress (0-based)
+    step: int = 0  # optimizer steps taken; also the LR schedule's position
+    epoch_position: int = 0  # training windows of this epoch consumed by all ranks together
+    tokens_seen: int = 0
+    best_val_loss: float = float("inf")
+    last_val_loss: Optional[float] = None
+
+
+def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate((3, tuple(state["python"]), None))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def parameter_fingerprint(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        t = p.detach().cpu().contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
+    return h.hexdigest()[:16]
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        optim_cfg: OptimizerConfig,
+        model: GPT,
+        corpus: CharCorpus,
+        dist: DistEnv,
+        metrics: MetricsLog,
+        saver: Optional[BackgroundSaver],
+        snapshot_metadata: dict[str, Any],
+    ):
+        self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
+        self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
+        self.device = dist.device
+        self.model = model.to(self.device)
+        self.block_size = model.cfg.block_size
+        self.precision = precision.resolve(cfg.precision, self.device)
+        self.optimizer = model.configure_optimizer(
+            optim_cfg.lr, optim_cfg.weight_decay, tuple(optim_cfg.betas), self.device.type
+        )
+        self.scaler = self.precision.grad_scaler()
+        use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
+        self.forward_model = torch.compile(self.model) if use_compile else self.model
+        self.ddp_model = (
+            DDP(self.forward_model, device_ids=[dist.local_rank] if self.device.type == "cuda" else None)
+            if dist.is_distributed
+            else self.forward_model
+        )
+        self.corpus = corpus
+        self.micro_batch = cfg.batch_size
+        self.accum_steps = cfg.grad_accum_steps
+        self.sampler = ResumableDistributedSampler(
+            WindowDataset(corpus.train_tokens, self.block_size), dist.world_size, dist.rank, cfg.seed
+        )
+        self.val_windows = WindowDataset(corpus.val_tokens, self.block_size)
+        self.state = TrainState()
+        self.total_steps = self._planned_steps()
+        self.flops_per_token = model.flops_per_token(self.block_size)
+        self.peak_flops = distributed.broadcast_object(
+            measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
+        )
+        self._last_save_step: Optional[int] = None
+
+    # ---- bookkeeping ---------------------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.micro_batch * self.accum_steps * self.dist.world_size
+
+    def _windows_in_epoch(self, epoch: int) -> int:
+        return len(WindowDataset(self.corpus.train_tokens, self.block_size, epoch_offset(self.cfg.seed, epoch, self.block_size)))
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        return self._windows_in_epoch(epoch) // self.global_batch
+
+    def _planned_steps(self) -> int:
+        if self.steps_in_epoch(0) == 0:
+            raise ConfigError(
+                f"one optimizer step needs {self.global_batch} training windows (batch_size "
+                f"{self.micro_batch} x grad_accum_steps {self.accum_steps} x {self.dist.world_size} processes) "
+                f"but the training split has {self._windows_in_epoch(0)} windows of {self.block_size}: "
+                "lower trainer.batch_size or data.block_size, or use more text"
+            )
+        total = sum(self.steps_in_epoch(e) for e in range(self.cfg.max_epochs))
+        return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+
+    @property
+    def finished(self) -> bool:
+        return self.state.epoch >= self.cfg.max_epochs or (
+            self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
+        )
+
+    # ---- snapshots -------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs, as tensors and plain types (weights_only-loadable)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "train_state": asdict(self.state),
+            "rng": distributed.all_gather_object(rng_state()),
+            "world_size": self.dist.world_size,
+            "global_batch": self.global_batch,
+            **self.snapshot_metadata,
+        }
+
+    def load_state_dict(self, snapshot: dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if snapshot.get("scaler"):
+            self.scaler.load_state_dict(snapshot["scaler"])
+        self.state = TrainState(**snapshot["train_state"])
+        rng_per_rank = snapshot.get("rng") or []
+        if len(rng_per_rank) == self.dist.world_size:
+            set_rng_state(rng_per_rank[self.dist.rank])
+        else:
+            seed_everything(self.cfg.seed + 1000 * self.dist.rank + self.state.step)
+
+    def save(self) -> None:
+        """Rank 0 copies state to CPU and hands it to the background writer."""
+        if self._last_save_step == self.state.step:
+            return
+        state = self.state_dict()  # collective (RNG states): every rank takes part
+        self._last_save_step = self.state.step
+        if self.saver is not None:
+            self.saver.submit(to_cpu(state), self.state.step)
+
+    # ---- the loop --------------------------------------------------------------------
+    def _step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """This rank's micro-batches of the current epoch, grouped per optimizer step,
+        starting where the run left off."""
+        epoch = self.state.epoch
+        windows = WindowDataset(self.corpus.train_tokens, self.block_size, epoch_offset(self.cfg.seed, epoch, self.block_size))
+        self.sampler.dataset = windows
+        self.sampler.set_epoch(epoch)
+        self.sampler.set_start(self.state.epoch_position)
+        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        per_step = self.micro_batch * self.accum_steps
+        pin = self.device.type == "cuda"
+        for s in range(len(indices) // per_step):
+            group = []
+            for m in range(self.accum_steps):
+                chunk = indices[s * per_step + m * self.micro_batch : s * per_step + (m + 1) * self.micro_batch]
+                x, y = windows.batch(chunk)
+                if pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                group.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+            yield group
+
+    def _optimizer_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        lr = lr_at(self.state.step, self.optim_cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total_loss = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # Gradients are all-reduced once per optimizer step, on the last micro-batch.
+            sync = contextlib.nullcontext() if last or not self.dist.is_distributed else self.ddp_model.no_sync()
+            with sync:
+                with self.precision.autocast():
+                    _, loss = self.ddp_model(x, y)
+                loss = loss / len(micro_batches)
+                self.scaler.scale(loss).backward()
+            total_loss += loss.detach()
+        if self.cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_loss
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over all ranks' windows, dropout off."""
+        self.model.eval()
+        n = len(self.val_windows)
+        mine = torch.arange(self.dist.rank, n, self.dist.world_size)
+        batches = list(mine.split(self.micro_batch))[: self.cfg.eval_batches]
+        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        for chunk in batches:
+            x, y = (t.to(self.device) for t in self.val_windows.batch(chunk))
+            with self.precision.autocast():
+                _, loss = self.forward_model(x, y)  # unwrapped: ranks may run unequal batch counts
+            totals[0] += loss.double() * len(chunk)
+            totals[1] += len(chunk)
+        distributed.all_reduce_sum(totals)
+        self.model.train()
+        val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+        self.state.last_val_loss = val_loss
+        self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
+        self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss})
+        return val_loss
+
+    def fit(self) -> Optional[float]:
+        """Train until max_epochs or max_steps; return the final validation loss."""
+        self.metrics.note(
+            f"training {self.model.num_params(non_embedding=False):,} parameters on {self.dist.world_size} "
+            f"process(es) ({self.device.type}, {self.dist.backend}, {self.precision.name}): global batch "
+            f"{self.global_batch} x {self.block_size} tokens = {self.micro_batch} per process x "
+            f"{self.accum_steps} accumulation x {self.dist.world_size}; {self.total_steps} steps planned"
+        )
+        self.model.train()
+        evaluated_at: Optional[int] = None
+        window_loss = torch.zeros((), device=self.device)
+        window_steps, window_start = 0, time.perf_counter()
+        while not self.finished:
+            for micro_batches in self._step_batches():
+                window_loss += self._optimizer_step(micro_batches)
+                window_steps += 1
+                self.state.step += 1
+                self.state.epoch_position += self.global_batch
+                self.state.tokens_seen += self.global_batch * self.block_size
+                if self.state.step % self.cfg.log_every == 0:
+                    self._log_train(window_loss, window_steps, time.perf_counter() - window_start)
+                    window_loss.zero_()
+                    window_steps, window_start = 0, time.perf_counter()
+                if self.state.step % self.cfg.eval_every == 0:
+                    self.evaluate()
+                    evaluated_at = self.state.step
+                if self.cfg.snapshot_every_steps and self.state.step % self.cfg.snapshot_every_steps == 0:
+                    self.save()
+                if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+                    break
+            else:  # the epoch ran to its end
+                self.state.epoch += 1
+                self.state.epoch_position = 0
+                if evaluated_at != self.state.step:
+                    self.evaluate()
+                    evaluated_at = self.state.step
+                if self.state.epoch % self.cfg.save_every == 0:
+                    self.save()
+                continue
+            break  # max_steps reached mid-epoch
+        if evaluated_at != self.state.step:
+            self.evaluate()
+        self.save()
+        if self.saver is not None:
+            self.saver.wait()
+        self._check_ranks_agree()
+        self.metrics.note(
+            f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
+            f"(best {self.state.best_val_loss:.4f})"
+        )
+        return self.state.last_val_loss
+
+    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float) -> None:
+        loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
+        tokens_per_s = steps * self.global_batch * self.block_size / max(seconds, 1e-9)
+        self.metrics.write({
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "train_loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
+        })
+
+    def _check_ranks_agree(self) -> None:
+        """DDP keeps replicas identical; prove it at the end instead of assuming it."""
+        prints = distributed.all_gather_object(parameter_fingerprint(self.model))
+        if len(set(prints)) == 1:
+            self.metrics.note(f"parameters identical on all {len(prints)} rank(s) (sha256 {prints[0]})")
+        elif self.dist.is_main:
+            log.error("parameters differ between ranks: %s", prints)
