@@ -56,6 +56,9 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_steps: int = 100
+    # Steps over which the cosine decays to min_lr; null: the run's planned steps. Fix it
+    # to extend or shorten a run (max_epochs/max_steps) without changing its schedule.
+    decay_steps: Optional[int] = None
 
 
 @dataclass
@@ -149,6 +152,8 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
+    if o.decay_steps is not None:
+        _positive(o.decay_steps, "optimizer.decay_steps", "or set it to null to decay over the whole run")
     if o.warmup_steps < 0 or o.weight_decay < 0:
         raise ConfigError("optimizer.warmup_steps and optimizer.weight_decay must not be negative")
     _positive(t.max_epochs, "trainer.max_epochs", "set trainer.max_epochs=<number of epochs>")

@@ -42,11 +42,11 @@ class TrainState:
     last_val_loss: Optional[float] = None
 
 
-def lr_at(step: int, cfg: OptimizerConfig, total_steps: int) -> float:
-    """Linear warmup to `lr`, then cosine decay to `min_lr` at `total_steps`."""
+def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps` (or the plan's end)."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
+    span = max(1, (cfg.decay_steps or planned_steps) - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
 

@@ -1,0 +1,91 @@
+"""Generate text from a snapshot.
+
+    python -m mingpt_ddp.sample <snapshot file, run directory or URL> prompt="ROMEO:" max_new_tokens=300
+
+Options are ``key=value`` pairs checked against :class:`SampleConfig` (prompt,
+max_new_tokens, temperature, top_k, seed, device).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import fsspec
+import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mingpt_ddp.char_dataset import Vocabulary
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.snapshot import SnapshotStore
+
+USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu]'
+
+
+@dataclass
+class SampleConfig:
+    prompt: str = "\n"
+    max_new_tokens: int = 300
+    temperature: float = 0.8
+    top_k: Optional[int] = None
+    seed: int = 0
+    device: str = "cpu"
+
+
+def snapshot_store_for(target: str) -> SnapshotStore:
+    """A snapshot file, or a run directory holding snapshot.pt."""
+    fs, path = fsspec.core.url_to_fs(target)
+    if fs.isdir(path):
+        return SnapshotStore(target.rstrip("/") + "/snapshot.pt")
+    return SnapshotStore(target)
+
+
+def generate_text(target: str, opts: SampleConfig) -> str:
+    found = snapshot_store_for(target).load_latest()
+    if found is None:
+        raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
+    snapshot, _ = found
+    vocab = Vocabulary(snapshot["vocab"])
+    model = GPT(GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])
+    model.to(opts.device).eval()
+    if opts.max_new_tokens < 0:
+        raise ConfigError("max_new_tokens must be >= 0")
+    prompt = opts.prompt or "\n"
+    context = vocab.encode(prompt).long()[None].to(opts.device)
+    generator = torch.Generator(device=opts.device).manual_seed(opts.seed)
+    out = model.generate(context, opts.max_new_tokens, opts.temperature, opts.top_k, generator=generator)
+    return vocab.decode(out[0].tolist())
+
+
+def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
+    positional = [a for a in argv if "=" not in a]
+    if len(positional) != 1:
+        raise ConfigError(USAGE)
+    schema = OmegaConf.structured(SampleConfig)
+    try:
+        # Values stay raw strings (a prompt like "ROMEO:" is not YAML); the schema converts types.
+        pairs = dict(a.split("=", 1) for a in argv if "=" in a)
+        values = {k: None if v.lower() in ("null", "none") else v for k, v in pairs.items()}
+        merged = OmegaConf.merge(schema, values)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}\n{USAGE}") from None
+    return positional[0], SampleConfig(**OmegaConf.to_container(merged))
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
+    try:
+        target, opts = parse_args(sys.argv[1:] if argv is None else argv)
+        text = generate_text(target, opts)
+    except ConfigError as exc:
+        if "characters outside the vocabulary" in str(exc):
+            exc = ConfigError(f"prompt {exc}: use only characters the model was trained on")
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    sys.stdout.write(text + "\n")
+
+
+if __name__ == "__main__":
+    cli()

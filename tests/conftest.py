@@ -1,0 +1,75 @@
+"""Shared test helpers: the corpus, small corpora, and running the real CLI."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+MAIN = str(REPO / "mingpt_ddp" / "main.py")
+
+# Seconds-long runs: a 3-layer, 48-dim model on short windows.
+TINY = [
+    "model=gpt-nano",
+    "data.block_size=32",
+    "trainer.batch_size=8",
+    "trainer.eval_batches=4",
+    "trainer.log_every=5",
+    "trainer.eval_every=1000",
+    "optimizer.warmup_steps=5",
+    "optimizer.lr=3e-3",
+]
+
+
+def corpus_path() -> Path:
+    """tiny-shakespeare from ../shared (never committed to the repo)."""
+    candidates = [os.environ.get("MINGPT_TEST_CORPUS"), REPO.parent / "shared" / "data" / "tinyshakespeare.txt"]
+    for c in candidates:
+        if c and Path(c).is_file():
+            return Path(c)
+    pytest.fail("tiny-shakespeare not found: set MINGPT_TEST_CORPUS or provide ../shared/data/tinyshakespeare.txt")
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    return corpus_path()
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory, shakespeare) -> Path:
+    """The first 40,000 characters: a few seconds per epoch for gpt-nano."""
+    path = tmp_path_factory.mktemp("corpus") / "small.txt"
+    path.write_text(shakespeare.read_text(encoding="utf-8")[:40_000], encoding="utf-8")
+    return path
+
+
+def run_cli(args: list[str], nproc: int = 0, cwd: Path = REPO, env: dict | None = None, timeout: float = 300,
+            torchrun_args: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run main.py alone (nproc=0) or under torchrun with `nproc` gloo workers."""
+    if nproc:
+        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", *(torchrun_args or []), MAIN, *args]
+    else:
+        cmd = [PYTHON, MAIN, *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
+    full_env.pop("HYDRA_FULL_ERROR")
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def output(proc: subprocess.CompletedProcess) -> str:
+    return proc.stdout + proc.stderr
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_snapshot(path: Path) -> dict:
+    from mingpt_ddp.snapshot import decode
+
+    return decode(path.read_bytes(), str(path))

@@ -1,0 +1,96 @@
+"""Bad input: one clear message naming the fix, non-zero exit, within seconds, no traceback."""
+import time
+
+import pytest
+
+from conftest import TINY, load_snapshot, output, run_cli
+
+
+def expect_error(args, pattern, code=2, cwd=None, nproc=0):
+    start = time.monotonic()
+    proc = run_cli(args, nproc=nproc, **({"cwd": cwd} if cwd else {}), timeout=120)
+    text = output(proc)
+    assert proc.returncode == code, text
+    assert pattern.lower() in text.lower(), text
+    assert "Traceback" not in text, text
+    assert time.monotonic() - start < 60
+    return text
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return tmp_path / "run"
+
+
+def base(run_dir, corpus):
+    return [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", "trainer.max_steps=2"]
+
+
+def test_missing_data_file_without_download(run_dir, tmp_path):
+    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=null"], "data file not found")
+    assert "data.path" in text
+
+
+def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
+    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt"],
+                        "downloading it from http://127.0.0.1:9/x.txt failed")
+    assert "set data.path" in text
+    assert not (tmp_path / "nope.txt").exists()
+
+
+def test_empty_data_file(run_dir, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    expect_error(base(run_dir, tmp_path / "empty.txt"), "is empty")
+
+
+def test_non_utf8_data_file(run_dir, tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("naïve café\n".encode("latin-1") * 100)
+    expect_error(base(run_dir, tmp_path / "latin1.txt"), "is not UTF-8")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_epochs=abc", "could not be converted to Integer"),
+    ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
+    ("trainer.precision=fp8", "Invalid value 'fp8'"),
+    ("model=gpt-huge", "Could not find 'model/gpt-huge'"),
+])
+def test_hydra_rejects_wrong_types_unknown_keys_and_presets(run_dir, small_corpus, override, message):
+    expect_error(base(run_dir, small_corpus) + [override], message, code=1)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.block_size=5000", "data.block_size=5000 is larger than the validation split"),
+    ("model.n_embd=50", "model.n_embd=50 is not divisible by model.n_head=3"),
+    ("trainer.batch_size=0", "trainer.batch_size must be positive"),
+    ("optimizer.lr=0", "optimizer.lr must be positive"),
+    ("trainer.max_epochs=0", "trainer.max_epochs must be positive"),
+    ("trainer.batch_size=100000", "lower trainer.batch_size"),
+])
+def test_values_that_cannot_work(run_dir, small_corpus, override, message):
+    expect_error(base(run_dir, small_corpus) + [override], message)
+
+
+def test_unwritable_snapshot_location_fails_before_training(run_dir, small_corpus, tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    text = expect_error(base(run_dir, small_corpus) + [f"trainer.snapshot_path={tmp_path}/a_file/sub/snapshot.pt"],
+                        "cannot write snapshots")
+    assert "step" not in text.split("cannot write")[0].split("\n")[-1]
+
+
+def test_snapshot_of_another_model_or_vocabulary_is_refused_and_kept(run_dir, small_corpus, tmp_path):
+    ok = run_cli(base(run_dir, small_corpus))
+    assert ok.returncode == 0, output(ok)
+    snap = run_dir / "snapshot.pt"
+    before = snap.read_bytes()
+    expect_error(base(run_dir, small_corpus) + ["model.n_layer=2"], "trained with model.n_layer=3 but the config says 2")
+    other_text = tmp_path / "other.txt"
+    other_text.write_text(small_corpus.read_text() + "\n0123456789 {}~" * 50)
+    expect_error(base(run_dir, other_text), "lacks")
+    assert snap.read_bytes() == before
+    assert load_snapshot(snap)["train_state"]["step"] == 2
+
+
+def test_errors_come_from_one_rank_under_torchrun(run_dir, small_corpus):
+    proc = run_cli(base(run_dir, small_corpus) + ["model.n_embd=50"], nproc=2, timeout=120)
+    assert proc.returncode != 0
+    assert output(proc).count("error: model.n_embd=50 is not divisible") == 1, output(proc)
