@@ -11,6 +11,7 @@ import hashlib
 import logging
 import math
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator, Optional
@@ -25,6 +26,7 @@ from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, measured_peak_flops, mfu
 from mingpt_ddp.model import GPT
+from mingpt_ddp.preemption import StopRequest
 from mingpt_ddp.snapshot import BackgroundSaver, to_cpu
 
 log = logging.getLogger(__name__)
@@ -122,6 +124,8 @@ class Trainer:
             measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
         )
         self._last_save_step: Optional[int] = None
+        self._last_save_time = time.monotonic()
+        self._evaluated_at: Optional[int] = None
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -172,11 +176,38 @@ class Trainer:
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
-        rng_per_rank = snapshot.get("rng") or []
+        saved_world = snapshot["world_size"]
+        if saved_world != self.dist.world_size:
+            self._keep_global_batch(snapshot["global_batch"], saved_world)
+        rng_per_rank = snapshot["rng"]
         if len(rng_per_rank) == self.dist.world_size:
             set_rng_state(rng_per_rank[self.dist.rank])
-        else:
+        else:  # new ranks have no saved stream: derive one that any rerun would derive too
             seed_everything(self.cfg.seed + 1000 * self.dist.rank + self.state.step)
+
+    def _keep_global_batch(self, global_batch: int, saved_world: int) -> None:
+        """After an elastic change of world size, keep the global batch (and so the LR
+        schedule and the data order): change accumulation first, else the per-process batch."""
+        world = self.dist.world_size
+        before = (self.micro_batch, self.accum_steps)
+        if global_batch % (self.micro_batch * world) == 0:
+            self.accum_steps = global_batch // (self.micro_batch * world)
+        elif global_batch % world == 0:
+            per_process = global_batch // world
+            self.accum_steps = next(a for a in range(1, per_process + 1)
+                                    if per_process % a == 0 and per_process // a <= self.cfg.batch_size)
+            self.micro_batch = per_process // self.accum_steps
+        else:
+            raise ConfigError(
+                f"the snapshot's global batch of {global_batch} sequences (world size {saved_world}) cannot be "
+                f"split evenly over {world} processes: resume with a world size that divides it"
+            )
+        self.total_steps = self._planned_steps()
+        self.metrics.note(
+            f"world size changed from {saved_world} to {world}: global batch {global_batch} kept; "
+            f"batch_size x grad_accum_steps per process {before[0]} x {before[1]} -> "
+            f"{self.micro_batch} x {self.accum_steps}"
+        )
 
     def save(self) -> None:
         """Rank 0 copies state to CPU and hands it to the background writer."""
@@ -184,6 +215,7 @@ class Trainer:
             return
         state = self.state_dict()  # collective (RNG states): every rank takes part
         self._last_save_step = self.state.step
+        self._last_save_time = time.monotonic()
         if self.saver is not None:
             self.saver.submit(to_cpu(state), self.state.step)
 
@@ -250,12 +282,14 @@ class Trainer:
         self.model.train()
         val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
         self.state.last_val_loss = val_loss
+        self._evaluated_at = self.state.step
         self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
         self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss})
         return val_loss
 
     def fit(self) -> Optional[float]:
-        """Train until max_epochs or max_steps; return the final validation loss."""
+        """Train until max_epochs or max_steps, or until asked to stop; return the final
+        validation loss (None when stopped early by a signal)."""
         self.metrics.note(
             f"training {self.model.num_params(non_embedding=False):,} parameters on {self.dist.world_size} "
             f"process(es) ({self.device.type}, {self.dist.backend}, {self.precision.name}): global batch "
@@ -263,7 +297,30 @@ class Trainer:
             f"{self.accum_steps} accumulation x {self.dist.world_size}; {self.total_steps} steps planned"
         )
         self.model.train()
-        evaluated_at: Optional[int] = None
+        self._last_save_time = time.monotonic()
+        with StopRequest() as stop_request:
+            stopped_by = self._train_loop(stop_request)
+        if stopped_by:
+            self.save()
+            self._wait_for_saves()
+            self.metrics.note(
+                f"stopped by {stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a snapshot: "
+                "run the same command (same run directory) to resume"
+            )
+            return None
+        if self._evaluated_at != self.state.step:
+            self.evaluate()
+        self.save()
+        self._wait_for_saves()
+        self._check_ranks_agree()
+        self.metrics.note(
+            f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
+            f"(best {self.state.best_val_loss:.4f})"
+        )
+        return self.state.last_val_loss
+
+    def _train_loop(self, stop_request: StopRequest) -> Optional[str]:
+        """The epochs and steps; returns the signal's name if the ranks agreed to stop."""
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_start = 0, time.perf_counter()
         while not self.finished:
@@ -273,38 +330,43 @@ class Trainer:
                 self.state.step += 1
                 self.state.epoch_position += self.global_batch
                 self.state.tokens_seen += self.global_batch * self.block_size
+                save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 if self.state.step % self.cfg.log_every == 0:
                     self._log_train(window_loss, window_steps, time.perf_counter() - window_start)
                     window_loss.zero_()
                     window_steps, window_start = 0, time.perf_counter()
+                    stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
+                    if stop_signal:
+                        return signal.Signals(stop_signal).name
+                    save_now = save_now or save_due
                 if self.state.step % self.cfg.eval_every == 0:
                     self.evaluate()
-                    evaluated_at = self.state.step
-                if self.cfg.snapshot_every_steps and self.state.step % self.cfg.snapshot_every_steps == 0:
+                if save_now:
                     self.save()
                 if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
-                    break
-            else:  # the epoch ran to its end
-                self.state.epoch += 1
-                self.state.epoch_position = 0
-                if evaluated_at != self.state.step:
-                    self.evaluate()
-                    evaluated_at = self.state.step
-                if self.state.epoch % self.cfg.save_every == 0:
-                    self.save()
-                continue
-            break  # max_steps reached mid-epoch
-        if evaluated_at != self.state.step:
-            self.evaluate()
-        self.save()
+                    return None
+            self.state.epoch += 1
+            self.state.epoch_position = 0
+            if self._evaluated_at != self.state.step:
+                self.evaluate()
+            if self.state.epoch % self.cfg.save_every == 0:
+                self.save()
+        return None
+
+    def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
+        """One tiny all_reduce every `log_every` steps: did any rank get a stop signal (its
+        number, 0 if none), and is a time-based snapshot due by rank 0's clock? Every rank
+        acts on the same answer, so all stop after the same step."""
+        minutes = self.cfg.snapshot_every_minutes
+        save_due = bool(minutes) and self.dist.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
+        flags = torch.tensor([float(stop_request.signum), float(save_due)], device=self.device)
+        distributed.all_reduce_max(flags)
+        stop_signal, save_due = flags.tolist()
+        return int(stop_signal), save_due > 0
+
+    def _wait_for_saves(self) -> None:
         if self.saver is not None:
             self.saver.wait()
-        self._check_ranks_agree()
-        self.metrics.note(
-            f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
-            f"(best {self.state.best_val_loss:.4f})"
-        )
-        return self.state.last_val_loss
 
     def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float) -> None:
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
