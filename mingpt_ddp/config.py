@@ -82,11 +82,19 @@ class TrainerConfig:
 
 
 @dataclass
+class SweepConfig:
+    # In a multirun, a point failing with a config/data error is recorded as failed and
+    # the sweep goes on; true stops the sweep at the first failing point.
+    stop_on_failure: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 def run_id() -> str:

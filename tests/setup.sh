@@ -11,4 +11,4 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test]"
+"${PIP[@]}" -e ".[test,plot]"
