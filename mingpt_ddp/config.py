@@ -105,11 +105,11 @@ def run_id() -> str:
     """
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     slurm = os.environ.get("SLURM_JOB_ID")
-    if elastic and elastic != "none":
-        return f"torchrun-{elastic}"
-    if slurm:
+    if slurm and elastic in (None, "none", slurm):  # srun alone, or torchrun with --rdzv_id=$SLURM_JOB_ID
         array_task = os.environ.get("SLURM_ARRAY_TASK_ID")
         return f"slurm-{slurm}" + (f"_{array_task}" if array_task else "")
+    if elastic and elastic != "none":
+        return f"torchrun-{elastic}"
     if elastic == "none":
         # torchrun without --standalone/--rdzv_id: all local workers share their agent.
         return f"torchrun-{os.uname().nodename}-{os.getppid()}"

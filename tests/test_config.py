@@ -42,5 +42,7 @@ def test_run_id_is_shared_by_ranks_and_restarts(monkeypatch):
     assert config.run_id() == "slurm-4242"
     monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
     assert config.run_id() == "slurm-4242_3"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")  # torchrun inside a Slurm job: its rdzv id
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")  # launch/multinode.sh: --rdzv_id=$SLURM_JOB_ID
+    assert config.run_id() == "slurm-4242_3"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")  # another torchrun inside the allocation
     assert config.run_id() == "torchrun-abc"
