@@ -66,14 +66,6 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last)
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
-    if found is not None and is_finished(TrainState(**found[0]["train_state"]), cfg.trainer):
-        state = TrainState(**found[0]["train_state"])
-        if dist.is_main:
-            log.info(
-                "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
-                "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, found[1],
-            )
-        return "finished earlier", state.last_val_loss, store.url
 
     corpus = load_corpus(cfg.data, dist)
     vocab = corpus.vocab
@@ -83,6 +75,14 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
     if found is not None:
         check_compatible(snapshot, where, model_cfg, corpus.vocab)
+        state = TrainState(**snapshot["train_state"])
+        if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
+            if dist.is_main:
+                log.info(
+                    "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
+                    "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, where,
+                )
+            return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
             corpus = CharCorpus(read_text(cfg.data.path), cfg.data.val_fraction, vocab)
 
