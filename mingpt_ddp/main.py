@@ -16,8 +16,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed
-from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, read_text
+from mingpt_ddp import config, distributed, storage
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
@@ -29,12 +29,19 @@ log = logging.getLogger("mingpt_ddp")
 config.register()
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, vocab: Optional[Vocabulary] = None) -> CharCorpus:
-    """Download the corpus once per node if it is missing, then read it on every rank."""
-    distributed.on_main_then_share(lambda: ensure_local_copy(cfg.path, cfg.download_url), dist, once_per_node=True)
-    corpus = CharCorpus(read_text(cfg.path), cfg.val_fraction, vocab)
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
+    """Fetch the corpus once per node (download a missing local file, or copy a remote one
+    into data.cache_dir), then read it from this node's disk on every rank."""
+    options = storage.resolve_options(cfg.storage_options, "data.storage_options")
+    storage.remember_secrets(storage.secret_option_values(options))
+    distributed.on_main_then_share(
+        lambda: ensure_local_copy(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes),
+        dist, once_per_node=True,
+    )
+    local = local_copy_path(cfg.path, cfg.cache_dir)
+    corpus = CharCorpus(read_text(local), cfg.val_fraction)
     corpus.check_block_size(cfg.block_size)
-    return corpus
+    return corpus, local
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
@@ -60,11 +67,14 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
 def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
     config.validate(cfg)
     run_dir = HydraConfig.get().runtime.output_dir
-    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last)
+    snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
+    storage.remember_secrets(storage.secret_option_values(snapshot_options))
+    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last,
+                          snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
 
-    corpus = load_corpus(cfg.data, dist)
+    corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
     if found is not None:
         snapshot, where = found
@@ -73,7 +83,7 @@ def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
     if found is not None:
         check_compatible(snapshot, where, model_cfg, corpus.vocab)
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus = CharCorpus(read_text(cfg.data.path), cfg.data.val_fraction, vocab)
+            corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
 
     torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
@@ -82,12 +92,12 @@ def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
     metadata = {
         "vocab": vocab.chars,
         "model_config": dict(vars(model_cfg)),
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0)
     trainer = Trainer(
         cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
-        BackgroundSaver(store) if dist.is_main else None, metadata,
+        BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
     )
     metrics.total_steps = trainer.total_steps
     if found is not None:
@@ -111,15 +121,24 @@ def _quiet_other_ranks(dist: DistEnv) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
+def _hydra_files_dir() -> Optional[str]:
+    """The `.hydra/` directory this process's Hydra wrote (rank 0 only), if any."""
+    hydra_cfg = HydraConfig.get()
+    return os.path.join(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir) if hydra_cfg.output_subdir else None
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
     try:
+        storage.redact_logs()
+        # Before anything else: Hydra has just written .hydra/ from the raw config.
+        storage.refuse_literal_secrets(cfg, _hydra_files_dir())
         dist = distributed.setup()
         _quiet_other_ranks(dist)
         return train(cfg, dist)
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
         sys.exit(ConfigError.exit_code)
     finally:
         distributed.teardown()
