@@ -376,7 +376,7 @@ class BackgroundSaver:
                             where, self._last_error, delay, self._clock() - self._failing_since,
                             self.retry_minutes)
                 if self._superseded.wait(delay):
-                    log.warning("snapshot %s was not saved; a newer one replaces it", where)
+                    log.info("snapshot %s was not saved; a newer one replaces it", where)
                     return
                 continue
             if self._failing_since is not None:
