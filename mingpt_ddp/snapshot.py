@@ -101,8 +101,9 @@ class SnapshotStore:
     """The snapshots of one run at `path` (a local path or any fsspec URL).
 
     `storage_options` go to the fsspec filesystem (e.g. an S3 endpoint or profile).
-    Reading and the write check retry transient failures (store unreachable, throttled)
-    for up to `retry_minutes`, then raise a ConfigError saying what failed.
+    On remote stores, reading and the write check retry transient failures (store
+    unreachable, throttled) for up to `retry_minutes`, then raise a ConfigError saying
+    what failed.
     """
 
     def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
@@ -112,7 +113,8 @@ class SnapshotStore:
         self.is_local = storage.is_local(self.fs)
         self.is_object_store = storage.is_object_store(self.fs)
         self.keep_last = keep_last
-        self.retry_minutes = retry_minutes
+        # A local error (no space, read-only, not a directory) does not go away by retrying.
+        self.retry_minutes = 0.0 if self.is_local else retry_minutes
         self.directory, name = self.path.rsplit("/", 1) if "/" in self.path else ("", self.path)
         self.stem, dot, suffix = name.partition(".")
         self.suffix = dot + suffix if dot else ""
