@@ -95,11 +95,19 @@ class TrainerConfig:
 
 
 @dataclass
+class SweepConfig:
+    # In a multirun, a point failing with a config/data error is recorded as failed and
+    # the sweep goes on; true stops the sweep at the first failing point.
+    stop_on_failure: bool = False
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 def run_id() -> str:
@@ -110,11 +118,11 @@ def run_id() -> str:
     """
     elastic = os.environ.get("TORCHELASTIC_RUN_ID")
     slurm = os.environ.get("SLURM_JOB_ID")
-    if elastic and elastic != "none":
-        return f"torchrun-{elastic}"
-    if slurm:
+    if slurm and elastic in (None, "none", slurm):  # srun alone, or torchrun with --rdzv_id=$SLURM_JOB_ID
         array_task = os.environ.get("SLURM_ARRAY_TASK_ID")
         return f"slurm-{slurm}" + (f"_{array_task}" if array_task else "")
+    if elastic and elastic != "none":
+        return f"torchrun-{elastic}"
     if elastic == "none":
         # torchrun without --standalone/--rdzv_id: all local workers share their agent.
         return f"torchrun-{os.uname().nodename}-{os.getppid()}"

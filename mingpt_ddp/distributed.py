@@ -5,6 +5,7 @@ torchrun (as Hydra's submitit launcher does), or runs as a single process.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -115,8 +116,18 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
     return torch_dist.PrefixStore(f"mingpt_ddp/generation_{generation}", store)
 
 
+_current: Optional[DistEnv] = None
+
+
 def setup(timeout_minutes: float = 30.0) -> DistEnv:
-    """Pick the device, size the CPU thread pool and join the process group."""
+    """Pick the device, size the CPU thread pool and join the process group.
+
+    Once per process: the sweep points of a multirun reuse the same process group, which
+    is torn down when the process exits.
+    """
+    global _current
+    if _current is not None:
+        return _current
     rank, local_rank, world_size, local_world_size = read_topology()
     device, backend = pick_device(local_rank)
     if device.type == "cuda":
@@ -129,7 +140,9 @@ def setup(timeout_minutes: float = 30.0) -> DistEnv:
             backend, store=_process_group_store(rank, world_size, timeout),
             rank=rank, world_size=world_size, timeout=timeout,
         )
-    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+        atexit.register(teardown)
+    _current = DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+    return _current
 
 
 def teardown() -> None:

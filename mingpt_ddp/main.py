@@ -6,14 +6,17 @@ snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user ca
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
+import time
 from typing import Any, Optional
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from mingpt_ddp import config, distributed, storage
@@ -23,7 +26,8 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
-from mingpt_ddp.trainer import Trainer, seed_everything
+from mingpt_ddp.sweep import RESULT_FILE, write_result
+from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 
 log = logging.getLogger("mingpt_ddp")
 config.register()
@@ -64,15 +68,23 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
         )
 
 
-def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
+def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[float], str]:
+    """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
-    run_dir = HydraConfig.get().runtime.output_dir
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
     storage.remember_secrets(storage.secret_option_values(snapshot_options))
     store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last,
                           snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
+    if found is not None and is_finished(TrainState(**found[0]["train_state"]), cfg.trainer):
+        state = TrainState(**found[0]["train_state"])
+        if dist.is_main:
+            log.info(
+                "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
+                "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, found[1],
+            )
+        return "finished earlier", state.last_val_loss, store.url
 
     corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
@@ -95,24 +107,19 @@ def train(cfg: DictConfig, dist: DistEnv) -> Optional[float]:
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0)
-    trainer = Trainer(
-        cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
-        BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
-    )
-    metrics.total_steps = trainer.total_steps
-    if found is not None:
-        trainer.load_state_dict(snapshot)
-        metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
-    if trainer.finished:
-        metrics.note(
-            f"run already finished (epoch {trainer.state.epoch}, step {trainer.state.step}, snapshot {where}): "
-            "nothing to do; raise trainer.max_epochs/max_steps to train further, or start a new run"
-        )
-        return trainer.state.last_val_loss
     try:
-        return trainer.fit()
+        trainer = Trainer(
+            cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
+            BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
+        )
+        metrics.total_steps = trainer.total_steps
+        if found is not None:
+            trainer.load_state_dict(snapshot)
+            metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
+        val_loss = trainer.fit()
     finally:
         metrics.close()
+    return ("completed" if val_loss is not None else "stopped by signal"), val_loss, store.url
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -121,27 +128,61 @@ def _quiet_other_ranks(dist: DistEnv) -> None:
         logging.getLogger().setLevel(logging.WARNING)
 
 
-def _hydra_files_dir() -> Optional[str]:
-    """The `.hydra/` directory this process's Hydra wrote (rank 0 only), if any."""
+def _hydra_files_dirs() -> list[str]:
+    """Where this process's Hydra wrote the config (rank 0 only): the run's `.hydra/` and,
+    in a multirun, the sweep directory's multirun.yaml."""
     hydra_cfg = HydraConfig.get()
-    return os.path.join(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir) if hydra_cfg.output_subdir else None
+    if not hydra_cfg.output_subdir:
+        return []
+    dirs = [os.path.join(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir)]
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        dirs.append(hydra_cfg.sweep.dir)
+    return dirs
+
+
+def _agreed_run_dir(dist: DistEnv) -> str:
+    """The run directory, checked to be the same on every rank (else snapshots would split)."""
+    run_dir = HydraConfig.get().runtime.output_dir
+    seen = distributed.all_gather_object(run_dir)
+    if len(set(seen)) != 1:
+        raise RuntimeError(
+            f"ranks disagree on the run directory: {sorted(set(seen))}; pass hydra.run.dir / "
+            "hydra.sweep.dir explicitly, or start the job through torchrun/srun so all ranks share a run id"
+        )
+    return run_dir
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
+    """Train once, or one point of a multirun; returns the final validation loss (sweepers
+    such as Optuna minimise it)."""
+    in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    started = time.time()
     try:
         storage.redact_logs()
         # Before anything else: Hydra has just written .hydra/ from the raw config.
-        storage.refuse_literal_secrets(cfg, _hydra_files_dir())
+        storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
         dist = distributed.setup()
         _quiet_other_ranks(dist)
-        return train(cfg, dist)
+        run_dir = _agreed_run_dir(dist)
+        status, val_loss, snapshot = train(cfg, dist, run_dir)
+        error = ""
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
-        sys.exit(ConfigError.exit_code)
+        if not in_sweep or cfg.sweep.stop_on_failure:
+            sys.exit(ConfigError.exit_code)
+        status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
+        run_dir = HydraConfig.get().runtime.output_dir
     finally:
-        distributed.teardown()
+        gc.collect()  # a sweep's next point starts without this one's model and optimizer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    already_recorded = status == "finished earlier" and os.path.exists(os.path.join(run_dir, RESULT_FILE))
+    if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
+        write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
+                               "wall_s": round(time.time() - started, 2), "error": error})
+    return val_loss
 
 
 if __name__ == "__main__":

@@ -194,21 +194,21 @@ def literal_secrets(cfg: DictConfig) -> list[tuple[str, str]]:
     return found
 
 
-def refuse_literal_secrets(cfg: DictConfig, hydra_output_dir: Optional[str]) -> None:
+def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
     """Raise a ConfigError naming (never showing) each literal secret, after removing them
-    from the `.hydra/` files Hydra wrote before we ran."""
+    from the YAML files Hydra wrote into `hydra_dirs` before we ran."""
     found = literal_secrets(cfg)
     if not found:
         return
     remember_secrets(value for _, value in found)
-    if hydra_output_dir:
-        scrub_yaml_files(hydra_output_dir, [value for _, value in found])
+    for directory in hydra_dirs:
+        scrub_yaml_files(directory, [value for _, value in found])
     keys = ", ".join(key for key, _ in found)
     raise ConfigError(
         f"{keys}: secrets must not be written into the config (Hydra saves it to .hydra/config.yaml and the "
         "snapshot stores it). Use the standard credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
         "AWS_PROFILE, an instance role), or pass the value from the environment, e.g. "
-        "'trainer.storage_options.secret=${oc.env:MY_SECRET}'"
+        "'+trainer.storage_options.secret=${oc.env:MY_SECRET}'"
     )
 
 
@@ -237,7 +237,7 @@ def scrub_yaml_files(directory: str, secrets: list[str]) -> None:
             text = f.read()
         if not any(secret in text for secret in secrets):
             continue
-        tmp = path + ".redacting"
+        tmp = f"{path}.redacting-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             yaml.safe_dump(clean(yaml.safe_load(text)), f, sort_keys=False, allow_unicode=True)
             f.flush()

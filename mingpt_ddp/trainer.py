@@ -44,6 +44,10 @@ class TrainState:
     last_val_loss: Optional[float] = None
 
 
+def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
+    return state.epoch >= cfg.max_epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+
+
 def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int) -> float:
     """Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps` (or the plan's end)."""
     if step < cfg.warmup_steps:
@@ -152,9 +156,7 @@ class Trainer:
 
     @property
     def finished(self) -> bool:
-        return self.state.epoch >= self.cfg.max_epochs or (
-            self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps
-        )
+        return is_finished(self.state, self.cfg)
 
     # ---- snapshots -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -65,7 +65,7 @@ def test_a_literal_secret_is_refused_by_name_and_scrubbed_from_hydra_files(tmp_p
         f"hydra:\n  overrides:\n    task:\n    - +trainer.storage_options.secret={SECRET_KEY}\n"
         f"  job:\n    override_dirname: +trainer.storage_options.secret={SECRET_KEY}\n")
     with pytest.raises(ConfigError) as err:
-        storage.refuse_literal_secrets(cfg, str(hydra_dir))
+        storage.refuse_literal_secrets(cfg, [str(hydra_dir)])
     assert "trainer.storage_options.secret" in str(err.value) and "${oc.env:" in str(err.value)
     assert SECRET_KEY not in str(err.value)
     for path in hydra_dir.iterdir():

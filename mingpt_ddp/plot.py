@@ -1,0 +1,84 @@
+"""Plot losses and throughput of one run or of every point of a sweep.
+
+    python -m mingpt_ddp.plot <run dir | sweep dir> [out.png]
+
+Reads each run's metrics.jsonl; writes one PNG with train and validation loss against
+step (top) and tokens/s (bottom). Needs matplotlib: ``pip install -e '.[plot]'``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+from mingpt_ddp.sweep import distinguishing_overrides, read_metrics, sweep_points
+
+
+def runs_in(target: Path) -> list[Path]:
+    """A run directory is itself; a sweep directory holds one per point."""
+    if (target / "metrics.jsonl").exists():
+        return [target]
+    return [p for p in sweep_points(target) if (p / "metrics.jsonl").exists()]
+
+
+def _last_per_step(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """Values by step; a step logged twice (replayed after a restart) keeps its last value."""
+    by_step = {r["step"]: r[key] for r in records if r.get(key) is not None}
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def plot_runs(target: Path, out: Optional[Path] = None) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = runs_in(target)
+    if not runs:
+        raise FileNotFoundError(f"no metrics.jsonl in {target} or its sweep points")
+    out = out or target / "losses.png"
+    fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(10, 8), sharex=True,
+                                            gridspec_kw={"height_ratios": [3, 1]})
+    labels = distinguishing_overrides(runs)
+    for i, run in enumerate(runs):
+        records = read_metrics(run)
+        label = f"{run.name}: {labels[run]}" if len(runs) > 1 else (labels[run] or run.name)
+        color = f"C{i % 10}"
+        steps, train = _last_per_step(records, "train_loss")
+        ax_loss.plot(steps, train, color=color, alpha=0.5, linewidth=1)
+        steps, val = _last_per_step(records, "val_loss")
+        ax_loss.plot(steps, val, color=color, marker="o", linewidth=2, label=label)
+        steps, speed = _last_per_step(records, "tokens_per_s")
+        ax_speed.plot(steps, speed, color=color, linewidth=1)
+    ax_loss.set_ylabel("loss (nats/char)")
+    ax_loss.set_title(f"{target.name}\ntrain loss (thin lines), validation loss (dots)", fontsize=10)
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(fontsize=8, loc="upper right")
+    ax_speed.set_ylabel("tokens/s (all ranks)")
+    ax_speed.set_xlabel("optimizer step")
+    ax_speed.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not 1 <= len(argv) <= 2:
+        print("usage: python -m mingpt_ddp.plot <run dir | sweep dir> [out.png]", file=sys.stderr)
+        raise SystemExit(2)
+    try:
+        out = plot_runs(Path(argv[0]), Path(argv[1]) if len(argv) == 2 else None)
+    except ImportError:
+        print("error: plotting needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
+        raise SystemExit(2)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    print(out)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,48 @@
+"""Composition of conf/ with the typed schema, presets, experiments and run ids."""
+import pytest
+from hydra import compose, initialize_config_dir
+
+from conftest import REPO
+from mingpt_ddp import config
+
+
+def composed(*overrides):
+    config.register()
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("preset, shape", [
+    ("gpt-nano", (3, 3, 48)), ("gpt-micro", (4, 4, 128)), ("gpt-mini", (6, 6, 192)),
+    ("gopher-44m", (8, 16, 512)), ("gpt2", (12, 12, 768)),
+])
+def test_presets(preset, shape):
+    m = composed(f"model={preset}").model
+    assert (m.n_layer, m.n_head, m.n_embd) == shape
+
+
+def test_defaults_are_the_documented_interface():
+    cfg = composed()
+    assert cfg.data.path == "data/tinyshakespeare.txt" and cfg.data.val_fraction == 0.1
+    assert cfg.trainer.precision == config.Precision.auto and cfg.trainer.snapshot_path is None
+    config.validate(cfg)
+
+
+def test_ddp_tutorial_experiment():
+    cfg = composed("experiment=ddp_tutorial")
+    assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (8, 8, 512)
+    assert cfg.trainer.batch_size == 216 and cfg.optimizer.lr == cfg.optimizer.min_lr == 3e-4
+    assert cfg.trainer.save_every == 3
+
+
+def test_run_id_is_shared_by_ranks_and_restarts(monkeypatch):
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert config.run_id() == "slurm-4242"
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert config.run_id() == "slurm-4242_3"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")  # launch/multinode.sh: --rdzv_id=$SLURM_JOB_ID
+    assert config.run_id() == "slurm-4242_3"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")  # another torchrun inside the allocation
+    assert config.run_id() == "torchrun-abc"

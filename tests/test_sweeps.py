@@ -1,0 +1,100 @@
+"""Hydra multirun under torchrun: one directory per point, restarts skip finished points,
+failures are recorded, a summary and a plot at the end."""
+import csv
+import os
+import signal
+import struct
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, output, read_metrics, run_cli
+from test_fault_tolerance import children, metrics_lines, wait_for
+
+pytestmark = pytest.mark.slow
+FIXED = [o for o in TINY if not o.startswith(("model=", "optimizer.lr="))]  # swept here
+
+
+def summary_rows(sweep_dir):
+    with open(sweep_dir / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_2x2_sweep_under_torchrun_gives_four_independent_points(tmp_path, small_corpus):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", "model=gpt-nano,gpt-micro", *FIXED, "trainer.max_steps=10",
+                    f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}"], nproc=2)
+    assert proc.returncode == 0, output(proc)
+    points = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert points == ["0", "1", "2", "3"]  # a rank with another idea of the directory would add more
+    seen = set()
+    for point in points:
+        d = sweep / point
+        cfg = yaml.safe_load((d / ".hydra" / "config.yaml").read_text())
+        seen.add((cfg["optimizer"]["lr"], cfg["model"]["n_embd"]))
+        steps = [r["step"] for r in read_metrics(d) if "train_loss" in r]
+        assert steps == [5, 10], "a point must start from step 0, not inherit another's counter"
+        assert (d / "snapshot.pt").is_file()
+    assert seen == {(1e-3, 48), (3e-3, 48), (1e-3, 128), (3e-3, 128)}
+    assert len({(sweep / p / "snapshot.pt").read_bytes() for p in points}) == 4
+    rows = summary_rows(sweep)
+    assert [r["status"] for r in rows] == ["completed"] * 4
+    assert rows[0]["overrides"] == "optimizer.lr=0.001 model=gpt-nano"  # as Hydra records the sweep value
+    assert all(float(r["final_val_loss"]) < 4.2 and float(r["tokens_per_s"]) > 0 for r in rows)
+    assert "| point | overrides | status |" in proc.stdout
+    assert (sweep / "summary.md").read_text().count("| completed |") == 4
+
+
+def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_path, small_corpus):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "model.n_embd=48,50,96", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
+                    f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, output(proc)
+    rows = summary_rows(sweep)
+    assert [r["status"] for r in rows] == ["completed", "failed", "completed"]
+    assert "not divisible by model.n_head=3" in rows[1]["error"]
+    stop = run_cli(["-m", "model.n_embd=50,48", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
+                    f"hydra.sweep.dir={tmp_path / 'stop'}", "sweep.stop_on_failure=true"])
+    assert stop.returncode == 2 and not (tmp_path / "stop" / "1").exists()
+
+
+def test_a_restart_mid_sweep_skips_finished_points_and_resumes_the_interrupted_one(tmp_path, small_corpus):
+    sweep = tmp_path / "sweep"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", MAIN, "-m",
+           "optimizer.lr=1e-3,2e-3,3e-3", *FIXED, "trainer.max_steps=150", "trainer.snapshot_every_steps=10",
+           f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    try:
+        wait_for(lambda: metrics_lines(sweep / "2") >= 4 and (sweep / "2" / "snapshot.pt").exists(), 300, "point 3")
+        finished = {p: (sweep / p / "metrics.jsonl").read_text() for p in ("0", "1")}
+        os.kill(children(proc.pid)[0], signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "log").read_text()
+    after_restart = text.split("run already finished", 1)
+    assert len(after_restart) == 2 and text.count("run already finished") == 2, text
+    for p, before in finished.items():  # not retrained: nothing appended to their metrics
+        assert (sweep / p / "metrics.jsonl").read_text() == before
+    assert f"resumed from {sweep}/2/snapshot.step" in text
+    assert [r["status"] for r in summary_rows(sweep)] == ["completed"] * 3
+
+
+def test_plot_of_a_two_point_sweep_is_a_real_png(tmp_path, small_corpus):
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", *FIXED, "trainer.max_steps=20", "trainer.eval_every=5",
+                    f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}"])
+    assert proc.returncode == 0, output(proc)
+    out = tmp_path / "plot.png"
+    done = subprocess.run([PYTHON, "-m", "mingpt_ddp.plot", str(sweep), str(out)], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 800 and height >= 600 and len(data) > 20_000
+    assert (sweep / "losses.png").is_file() and "![losses](losses.png)" in (sweep / "summary.md").read_text()

@@ -1,0 +1,86 @@
+"""The loop's numerics in one process: AMP clipping order, accumulation, LR schedule."""
+import math
+
+import pytest
+import torch
+
+from mingpt_ddp import distributed
+from mingpt_ddp.char_dataset import CharCorpus
+from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.trainer import Trainer, lr_at
+
+SINGLE = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                             device=torch.device("cpu"), backend="gloo")
+
+
+def make_trainer(text, precision="fp32", **trainer_kw):
+    corpus = CharCorpus(text, 0.1)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=corpus.vocab.size, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
+    cfg = TrainerConfig(batch_size=4, precision=Precision(precision), **trainer_kw)
+    return Trainer(cfg, OptimizerConfig(warmup_steps=0), model, corpus, SINGLE,
+                   MetricsLog(None, enabled=False, total_steps=0), saver=None, snapshot_metadata={})
+
+
+@pytest.fixture(scope="module")
+def text(shakespeare):
+    return shakespeare.read_text()[:20_000]
+
+
+def first_batch(trainer):
+    return next(trainer._step_batches())
+
+
+def grad_norm_seen_by_optimizer(trainer):
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item())
+
+    trainer.optimizer.register_step_pre_hook(record)
+    trainer._optimizer_step(first_batch(trainer))
+    return seen[0]
+
+
+def test_fp16_clips_the_unscaled_gradients(text):
+    """The tutorial clipped scaled gradients; here the optimizer sees norm == grad_clip."""
+    unclipped = grad_norm_seen_by_optimizer(make_trainer(text, "fp16", grad_clip=0.0))
+    assert unclipped > 0.2, "test needs a gradient larger than the clip below"
+    clipped_trainer = make_trainer(text, "fp16", grad_clip=0.1)
+    assert clipped_trainer.scaler.is_enabled() and clipped_trainer.scaler.get_scale() > 1000
+    assert grad_norm_seen_by_optimizer(clipped_trainer) == pytest.approx(0.1, rel=0.05)
+
+
+def test_fp32_and_bf16_steps_lower_the_loss(text):
+    for precision in ("fp32", "bf16"):
+        trainer = make_trainer(text, precision)
+        batch = first_batch(trainer)
+        losses = [trainer._optimizer_step(batch).item() for _ in range(15)]
+        assert losses[-1] < losses[0] - 0.3, (precision, losses)
+
+
+def test_accumulation_matches_one_big_batch(text):
+    """4 micro-batches of 4 with no_sync-style accumulation == one batch of 16."""
+    accum = make_trainer(text, grad_accum_steps=4)
+    whole = make_trainer(text)
+    micro = first_batch(accum)
+    x = torch.cat([m[0] for m in micro])
+    y = torch.cat([m[1] for m in micro])
+    accum._optimizer_step(micro)
+    whole._optimizer_step([(x, y)])
+    for a, b in zip(accum.model.parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_lr_warms_up_then_decays_to_min_lr():
+    cfg = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
+    assert lr_at(0, cfg, 100) == pytest.approx(1e-4)
+    assert lr_at(9, cfg, 100) == pytest.approx(1e-3)
+    assert lr_at(55, cfg, 100) == pytest.approx(1e-4 + 0.5 * 9e-4)
+    assert lr_at(100, cfg, 100) == pytest.approx(1e-4) and lr_at(500, cfg, 100) == pytest.approx(1e-4)
+    fixed = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=1000)
+    assert lr_at(100, fixed, 100) > 9e-4  # the horizon comes from decay_steps, not the plan
+    assert not math.isnan(lr_at(0, OptimizerConfig(warmup_steps=0), 1))
