@@ -77,14 +77,6 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
                           snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
-    if found is not None and is_finished(TrainState(**found[0]["train_state"]), cfg.trainer):
-        state = TrainState(**found[0]["train_state"])
-        if dist.is_main:
-            log.info(
-                "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
-                "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, found[1],
-            )
-        return "finished earlier", state.last_val_loss, store.url
 
     corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
@@ -93,7 +85,17 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         vocab = Vocabulary(snapshot["vocab"])
     model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
     if found is not None:
+        # Checked even for a finished run: another model or text under the same snapshot
+        # path is a mistake to report, not a run to skip.
         check_compatible(snapshot, where, model_cfg, corpus.vocab)
+        if is_finished(TrainState(**snapshot["train_state"]), cfg.trainer):
+            state = TrainState(**snapshot["train_state"])
+            if dist.is_main:
+                log.info(
+                    "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
+                    "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, where,
+                )
+            return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
             corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
 
