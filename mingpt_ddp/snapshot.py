@@ -201,7 +201,7 @@ class SnapshotStore:
         if isinstance(exc, PermissionError):
             return (f": access denied; check the credentials (AWS_* environment, AWS_PROFILE, instance role) and "
                     f"that they may {doing} this location, or set trainer.snapshot_path")
-        if storage.is_transient(exc):
+        if storage.is_transient(exc) and not self.is_local:
             return (f": the store stayed unreachable for trainer.load_retry_minutes={self.retry_minutes:g}; check "
                     "the endpoint (AWS_ENDPOINT_URL or trainer.storage_options), the network and the credentials")
         return ""
