@@ -58,6 +58,19 @@ def _slurm_first_node() -> str:
     return nodelist.split(",")[0] or "127.0.0.1"
 
 
+def _slurm_tasks_on_this_node(ntasks: int) -> int:
+    """This node's share of the step's tasks, from SLURM_STEP_TASKS_PER_NODE ("2(x3),1")."""
+    layout = os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", "")
+    per_node: list[int] = []
+    for part in filter(None, layout.split(",")):
+        count, _, repeat = part.partition("(x")
+        per_node += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    node = _env_int("SLURM_NODEID", 0)
+    if node < len(per_node):
+        return per_node[node]
+    return max(1, ntasks // max(1, _env_int("SLURM_NNODES", 1)))
+
+
 def read_topology() -> tuple[int, int, int, int]:
     """(rank, local_rank, world_size, local_world_size) from torchrun, Slurm, or alone.
 
@@ -69,15 +82,15 @@ def read_topology() -> tuple[int, int, int, int]:
         local_rank = _env_int("LOCAL_RANK", 0)
         local_world = _env_int("LOCAL_WORLD_SIZE", world)
         return rank, local_rank, world, local_world
-    ntasks = _env_int("SLURM_NTASKS", 1)
+    ntasks = _env_int("SLURM_STEP_NUM_TASKS", None) or _env_int("SLURM_NTASKS", 1)
     if "SLURM_PROCID" in os.environ and ntasks > 1 and "SLURM_STEP_ID" in os.environ:
         rank, local_rank = _env_int("SLURM_PROCID"), _env_int("SLURM_LOCALID", 0)
-        local_world = _env_int("SLURM_NTASKS_PER_NODE", None) or ntasks // max(1, _env_int("SLURM_NNODES", 1))
+        local_world = _slurm_tasks_on_this_node(ntasks)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(ntasks), LOCAL_RANK=str(local_rank),
                           LOCAL_WORLD_SIZE=str(local_world))
         os.environ.setdefault("MASTER_ADDR", _slurm_first_node())
-        # A per-job port: several jobs may share a node.
-        os.environ.setdefault("MASTER_PORT", str(20000 + _env_int("SLURM_JOB_ID", 0) % 20000))
+        # A per-job port (several jobs may share a node), below Linux's ephemeral range.
+        os.environ.setdefault("MASTER_PORT", str(20000 + _env_int("SLURM_JOB_ID", 0) % 10000))
         return rank, local_rank, ntasks, local_world
     return 0, 0, 1, 1
 
@@ -112,6 +125,10 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
     store = torch_dist.TCPStore(
         host, port, world_size, is_master=(rank == 0 and not agent_hosts_store), timeout=timeout
     )
+    if not agent_hosts_store:
+        # Each round made its own store (launch/multinode.sh sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE):
+        # nothing stale to hide, and restart counts can differ between nodes.
+        return store
     generation = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return torch_dist.PrefixStore(f"mingpt_ddp/generation_{generation}", store)
 
@@ -143,6 +160,12 @@ def setup(timeout_minutes: float = 30.0) -> DistEnv:
         atexit.register(teardown)
     _current = DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
     return _current
+
+
+def release_cached_memory() -> None:
+    """Give cached accelerator memory back between the points of a sweep."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def teardown() -> None:

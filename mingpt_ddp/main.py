@@ -14,7 +14,6 @@ import time
 from typing import Any, Optional
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -99,7 +98,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
             corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
 
-    torch.manual_seed(cfg.trainer.seed)  # identical initial weights on every rank
+    seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
 
@@ -178,8 +177,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         run_dir = HydraConfig.get().runtime.output_dir
     finally:
         gc.collect()  # a sweep's next point starts without this one's model and optimizer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        distributed.release_cached_memory()
     already_recorded = status == "finished earlier" and os.path.exists(os.path.join(run_dir, RESULT_FILE))
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,

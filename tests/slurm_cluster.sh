@@ -43,8 +43,8 @@ alive() {  # alive PIDFILE: the process named in PIDFILE runs (zombies count as 
 }
 
 free_port() {
-  python3 - "$@" <<'EOF'
-import socket, sys
+  python3 - <<'EOF'
+import socket
 s = socket.socket()
 s.bind(("", 0))
 print(s.getsockname()[1])
@@ -108,7 +108,7 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 # A private munged; cred_expire also sets how long a requeued job waits to run again.
-AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=5
 MpiDefault=none
 MailProg=/bin/true
 ProctrackType=proctrack/linuxproc
@@ -118,7 +118,8 @@ AccountingStorageType=accounting_storage/none
 SwitchType=switch/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-SchedulerParameters=batch_sched_delay=0
+# A requeued job starts as soon as it is eligible, not at the next 30-60 s scheduling pass.
+SchedulerParameters=batch_sched_delay=0,sched_interval=1,bf_interval=1
 SlurmdParameters=config_overrides
 ReturnToService=2
 KillWait=5
@@ -186,12 +187,20 @@ up() {
     if port_busy "$port"; then die "port $port (SlurmctldPort) is in use: another slurmctld? stop it or remove $DIR"; fi
     slurmctld -i -f "$SLURM_CONF" || die "slurmctld did not start (see $DIR/log/slurmctld.log)"
   fi
-  local node
+  local node uts=1
+  if ! unshare --uts true 2>/dev/null; then
+    uts=0
+    say "warning: no UTS namespaces here (unshare --uts): job steps see this machine's host name, not n1/n2"
+  fi
   for node in "${NODES[@]}"; do
     alive "$DIR/run/slurmd-$node.pid" && continue
-    # Own UTS namespace: `hostname` in job steps prints the node name, as on a real cluster.
-    unshare --uts sh -c "hostname $node && exec slurmd -N $node -f '$SLURM_CONF'" \
-      || die "slurmd $node did not start (see $DIR/log/slurmd-$node.log)"
+    if ((uts)); then
+      # Own UTS namespace: `hostname` in job steps prints the node name, as on a real cluster.
+      unshare --uts sh -c "hostname $node && exec slurmd -N $node -f '$SLURM_CONF'" \
+        || die "slurmd $node did not start (see $DIR/log/slurmd-$node.log)"
+    else
+      slurmd -N "$node" -f "$SLURM_CONF" || die "slurmd $node did not start (see $DIR/log/slurmd-$node.log)"
+    fi
   done
   wait_idle
   say "up: nodes ${NODES[*]} idle; export SLURM_CONF=$SLURM_CONF"
@@ -207,11 +216,39 @@ stop_pidfile() {  # stop_pidfile FILE NAME: SIGTERM, then SIGKILL after 5 s
   kill -KILL "$pid" 2>/dev/null || true
 }
 
+cancel_jobs() {  # cancel what is still queued or running, and give the steps time to end
+  local jobs
+  export SLURM_CONF=$DIR/slurm.conf
+  jobs=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ') || return 0
+  [ -n "${jobs// /}" ] || return 0
+  say "cancelling jobs $jobs"
+  # shellcheck disable=SC2086
+  scancel $jobs 2>/dev/null || true
+  for _ in $(seq 60); do
+    [ -z "$(squeue -h -o %i 2>/dev/null)" ] && return 0
+    sleep 0.25
+  done
+}
+
+kill_stepds() {  # job step daemons outlive slurmd if a step was still ending; theirs is cwd $DIR/...
+  local proc pid cwd
+  for proc in /proc/[0-9]*; do
+    pid=${proc#/proc/}
+    cwd=$(readlink "$proc/cwd" 2>/dev/null) || continue
+    case "$cwd" in
+      "$DIR"|"$DIR"/*) [ "$pid" != $$ ] && grep -q '^slurmstepd' "$proc/cmdline" 2>/dev/null && kill -KILL "$pid" 2>/dev/null ;;
+    esac
+  done
+  return 0
+}
+
 down() {
   local node
   if [ -d "$DIR" ]; then
+    alive "$DIR/run/slurmctld.pid" && cancel_jobs
     for node in "${NODES[@]}"; do stop_pidfile "$DIR/run/slurmd-$node.pid" "slurmd $node"; done
     stop_pidfile "$DIR/run/slurmctld.pid" slurmctld
+    kill_stepds
     stop_pidfile "$DIR/munge/munged.pid" munged
   fi
   hosts_remove

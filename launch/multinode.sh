@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# Start this node's share of a multi-node training job: one torchrun agent per node, which
+# starts one worker per GPU (or NPROC_PER_NODE CPU workers) running mingpt_ddp/main.py.
+# All arguments are Hydra overrides for mingpt_ddp/main.py.
+#
+# Under Slurm run it once per node (launch/train.sbatch does this):
+#     srun -N2 --ntasks-per-node=1 --kill-on-bad-exit=1 launch/multinode.sh model=gpt-mini
+# Without Slurm run it on every machine, with the same HEAD_NODE and NNODES:
+#     HEAD_NODE=192.168.0.1 NNODES=2 launch/multinode.sh model=gpt-mini
+# The nodes meet at HEAD_NODE:RDZV_PORT (torchrun's c10d rendezvous, hosted by the agent on
+# the head node). Node ranks are never handed out: the rendezvous assigns them, so the
+# nodes may start in any order, within RDZV_TIMEOUT of each other, and may have different
+# numbers of processes.
+#
+# Settings (environment variables; defaults in brackets):
+#   NNODES          nodes in the job, or MIN:MAX for an elastic job [Slurm: the job's node
+#                   count; otherwise 1]
+#   NPROC_PER_NODE  workers on this node [the GPUs this node may use (CUDA_VISIBLE_DEVICES,
+#                   else `nvidia-smi -L`); with no GPU: 1]. Set it to use fewer GPUs, or
+#                   several CPU workers.
+#   HEAD_NODE       address or name of the node that hosts the rendezvous [Slurm: the first
+#                   node of the job, `scontrol show hostnames $SLURM_JOB_NODELIST | head -1`;
+#                   otherwise 127.0.0.1]
+#   RDZV_PORT       TCP port of the rendezvous on HEAD_NODE [MASTER_PORT if set; under Slurm
+#                   29500 + SLURM_JOB_ID % 2500, so that jobs sharing a node do not collide;
+#                   otherwise 29500]. Must be open between the nodes.
+#   RUN_ID          rendezvous id; every node of one job must use the same one [Slurm:
+#                   SLURM_JOB_ID; otherwise "<HEAD_NODE>-<RDZV_PORT>", which machines given the
+#                   same HEAD_NODE agree on]. It also names the run directory,
+#                   outputs/torchrun-<RUN_ID> (outputs/slurm-<id> under Slurm): the same RUN_ID
+#                   later resumes that run's snapshot, a new one starts afresh.
+#   RDZV_TIMEOUT    seconds to wait for all nodes to join (and for a non-head node to reach
+#                   the head) before failing [900]
+#   MAX_RESTARTS    times torchrun restarts this node's workers after a failure; each restart
+#                   is a new rendezvous and resumes from the latest snapshot [3]
+#   IS_HEAD         1/0: whether this machine hosts the rendezvous [auto: Slurm node 0, or
+#                   HEAD_NODE is this host's name or one of its addresses]. Non-head nodes
+#                   first check that HEAD_NODE:RDZV_PORT answers, and stop with a clear
+#                   message if it does not within RDZV_TIMEOUT. Under Slurm, or when set,
+#                   it is passed on to torchrun (--rdzv_conf is_host=...).
+#   LOCAL_ADDR      address this node advertises to the others [torchrun's default: its FQDN]
+#   PYTHON          interpreter with torch and this package [VENV/bin/python if VENV is set,
+#                   else .venv/bin/python in the repository if present, else python3]
+#   REPO_DIR        repository to run from [the one containing this script]
+#   TORCHRUN_ARGS   extra torchrun options, e.g. "--redirects 3 --log-dir /tmp/logs"
+#   DRY_RUN=1       print the topology line and the torchrun command, and run nothing
+#   NCCL_DEBUG      [WARN]; NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: the network interface
+#                   for the collectives (e.g. ens5); GLOO_SOCKET_IFNAME defaults to a plain
+#                   NCCL_SOCKET_IFNAME. FI_PROVIDER, FI_EFA_* and other fabric settings are
+#                   passed through untouched: set them as your site documents.
+#   OMP_NUM_THREADS [this node's cores / NPROC_PER_NODE]
+#
+# Prints one line with the resolved topology, then torchrun's and the trainer's output.
+# Exit code: torchrun's; 1 when the head cannot be reached or the setup is wrong.
+set -euo pipefail
+
+log() { echo "multinode: $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# ---- where to run from, with what --------------------------------------------------------
+script_dir=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO_DIR=${REPO_DIR:-$(dirname "$script_dir")}
+cd "$REPO_DIR" || die "REPO_DIR=$REPO_DIR does not exist on $(hostname)"
+[ -f mingpt_ddp/main.py ] || die "$REPO_DIR has no mingpt_ddp/main.py: set REPO_DIR to the repository"
+if [ -z "${PYTHON:-}" ]; then
+  if [ -n "${VENV:-}" ]; then PYTHON=$VENV/bin/python
+  elif [ -x .venv/bin/python ]; then PYTHON=$REPO_DIR/.venv/bin/python
+  else PYTHON=python3
+  fi
+fi
+command -v "$PYTHON" >/dev/null 2>&1 || die "PYTHON=$PYTHON not found on $(hostname): set PYTHON or VENV"
+
+host=$(hostname)
+in_slurm=0
+[ -n "${SLURM_JOB_ID:-}" ] && [ -n "${SLURM_JOB_NODELIST:-${SLURM_NODELIST:-}}" ] && in_slurm=1
+
+# ---- topology ----------------------------------------------------------------------------
+if ((in_slurm)); then
+  nodelist=${SLURM_JOB_NODELIST:-$SLURM_NODELIST}
+  first_node=$(scontrol show hostnames "$nodelist" 2>/dev/null | head -n1 || true)
+  if [ -z "$first_node" ]; then  # no scontrol here: expand "gpu-[003-008,010],cpu1" by hand
+    if [[ $nodelist =~ ^([^,\[]+)\[([0-9]+) ]]; then first_node=${BASH_REMATCH[1]}${BASH_REMATCH[2]}
+    else first_node=${nodelist%%,*}
+    fi
+  fi
+  NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}
+  HEAD_NODE=${HEAD_NODE:-$first_node}
+  RDZV_PORT=${RDZV_PORT:-${MASTER_PORT:-$((29500 + SLURM_JOB_ID % 2500))}}
+  RUN_ID=${RUN_ID:-$SLURM_JOB_ID}
+else
+  NNODES=${NNODES:-1}
+  HEAD_NODE=${HEAD_NODE:-127.0.0.1}
+  RDZV_PORT=${RDZV_PORT:-${MASTER_PORT:-29500}}
+  RUN_ID=${RUN_ID:-$HEAD_NODE-$RDZV_PORT}
+fi
+RDZV_TIMEOUT=${RDZV_TIMEOUT:-900}
+MAX_RESTARTS=${MAX_RESTARTS:-3}
+[[ $NNODES =~ ^[0-9]+(:[0-9]+)?$ ]] || die "NNODES=$NNODES: give a node count (2) or an elastic range (1:4)"
+[[ $RDZV_PORT =~ ^[0-9]+$ ]] || die "RDZV_PORT=$RDZV_PORT is not a port number"
+[[ $RDZV_TIMEOUT =~ ^[0-9]+$ ]] || die "RDZV_TIMEOUT=$RDZV_TIMEOUT: give whole seconds"
+[[ $MAX_RESTARTS =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$MAX_RESTARTS: give a whole number"
+
+count_gpus() {
+  local v=${CUDA_VISIBLE_DEVICES-unset}
+  if [ "$v" != unset ]; then
+    case "$v" in ""|NoDevFiles|-1) echo 0 ;; *) echo "$v" | tr ',' '\n' | grep -c . ;; esac
+  elif command -v nvidia-smi >/dev/null 2>&1; then
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
+  else
+    echo 0
+  fi
+}
+gpus=$(count_gpus)
+if [ -n "${NPROC_PER_NODE:-}" ]; then
+  workers=$NPROC_PER_NODE; workers_from="NPROC_PER_NODE"
+elif ((gpus > 0)); then
+  workers=$gpus; workers_from="GPUs"
+else
+  workers=1; workers_from="no GPU: 1 CPU worker; set NPROC_PER_NODE for more"
+fi
+[[ $workers =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE=$workers: give a positive number of workers"
+device=$( ((gpus > 0)) && echo "$gpus GPU(s)" || echo "cpu" )
+
+# The workers of each rendezvous round meet in a fresh TCPStore hosted by the new rank 0,
+# rather than in one the head agent keeps for the whole job: after a restart, agents that
+# saw a failure and agents that only saw a node rejoin disagree on TORCHELASTIC_RESTART_COUNT,
+# so keys named after it (torch's own "attempt_N" prefix included) never meet. The trainer
+# (mingpt_ddp/distributed.py) must then not prefix its keys per restart either.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+
+cores=$(nproc 2>/dev/null || echo 1)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [[ $NCCL_SOCKET_IFNAME =~ ^[A-Za-z0-9_.-]+$ ]]; then
+  export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
+fi
+
+# Whether this node hosts the rendezvous: Slurm's node 0 (when HEAD_NODE is the first
+# node), else HEAD_NODE names this machine or one of its addresses.
+is_local_address() {
+  "$PYTHON" - "$1" <<'EOF'
+import socket, sys
+head = sys.argv[1]
+if head in (socket.gethostname(), socket.getfqdn(), "localhost"):
+    sys.exit(0)
+try:
+    addrs = {ai[4][0] for ai in socket.getaddrinfo(head, None, proto=socket.IPPROTO_TCP)}
+except OSError:
+    sys.exit(1)
+for addr in addrs:
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((addr, 0))  # only addresses of this machine can be bound
+            sys.exit(0)
+        except OSError:
+            pass
+sys.exit(1)
+EOF
+}
+# When that is known for sure, torchrun is told (is_host) instead of guessing from host names,
+# which fails where the node list's names are not the nodes' host names.
+rdzv_conf="join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_TIMEOUT"
+if [ -n "${IS_HEAD:-}" ]; then
+  [[ $IS_HEAD =~ ^[01]$ ]] || die "IS_HEAD=$IS_HEAD: give 1 (this machine hosts the rendezvous) or 0"
+  is_head=$IS_HEAD
+  rdzv_conf+=",is_host=$is_head"
+elif ((in_slurm)) && [ "$HEAD_NODE" = "${first_node:-}" ]; then
+  is_head=$( [ "${SLURM_NODEID:-0}" = 0 ] && echo 1 || echo 0 )
+  rdzv_conf+=",is_host=$is_head"
+elif is_local_address "$HEAD_NODE"; then
+  is_head=1  # but let torchrun find out: several "machines" may share one host
+else
+  is_head=0
+fi
+
+where=$host
+((in_slurm)) && where="${SLURMD_NODENAME:-$host} (Slurm job $SLURM_JOB_ID node ${SLURM_NODEID:-?} of ${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-?}})"
+role=$( ((is_head)) && echo "hosts the rendezvous" || echo "joins" )
+log "topology: node $where $role $HEAD_NODE:$RDZV_PORT | nnodes=$NNODES nproc_per_node=$workers ($workers_from; $device) | run_id=$RUN_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s | python=$PYTHON repo=$REPO_DIR"
+
+# ---- the agent's command line ---------------------------------------------------------------
+cmd=("$PYTHON" -m torch.distributed.run
+  --nnodes="$NNODES" --nproc_per_node="$workers"
+  --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv_id="$RUN_ID"
+  --rdzv_conf="$rdzv_conf"
+  --max-restarts="$MAX_RESTARTS")
+[ -n "${LOCAL_ADDR:-}" ] && cmd+=(--local-addr="$LOCAL_ADDR")
+# shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of options, split on purpose
+[ -n "${TORCHRUN_ARGS:-}" ] && cmd+=($TORCHRUN_ARGS)
+cmd+=(mingpt_ddp/main.py "$@")
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  printf '%q ' "${cmd[@]}"; echo
+  exit 0
+fi
+
+# ---- a non-head node first checks that it can reach the head ------------------------------
+wait_for_head() {
+  "$PYTHON" - "$HEAD_NODE" "$RDZV_PORT" "$RDZV_TIMEOUT" <<'EOF'
+import socket, sys, time
+host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline = time.monotonic() + timeout
+last = "no attempt"
+while True:
+    left = deadline - time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=max(0.5, min(5.0, left))):
+            sys.exit(0)
+    except OSError as exc:
+        last = exc.strerror or str(exc) or type(exc).__name__
+    if time.monotonic() + 1.0 > deadline:
+        print(last)
+        sys.exit(1)
+    time.sleep(1.0)
+EOF
+}
+if ((!is_head)); then
+  if ! reason=$(wait_for_head); then
+    die "cannot reach the rendezvous head $HEAD_NODE:$RDZV_PORT from $host within RDZV_TIMEOUT=${RDZV_TIMEOUT}s (last error: ${reason:-unknown}). Check that launch/multinode.sh runs on the head with the same NNODES, RDZV_PORT and RUN_ID; that HEAD_NODE is the head's address as seen from this machine; that TCP port $RDZV_PORT (and the collectives' ports) is open in the firewall / security group between the machines; and that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name the interface that carries $HEAD_NODE's network."
+  fi
+fi
+
+# ---- run the agent -------------------------------------------------------------------------
+# Every process of this node carries this token, so that leftovers can be found if the agent dies.
+export MINGPT_NODE_TOKEN="$host-$$-$RANDOM"
+kill_leftover_workers() {
+  local env_file pid
+  for env_file in /proc/[0-9]*/environ; do
+    pid=${env_file#/proc/}; pid=${pid%/environ}
+    [ "$pid" = $$ ] && continue
+    if { tr '\0' '\n' <"$env_file"; } 2>/dev/null | grep -qxF "MINGPT_NODE_TOKEN=$MINGPT_NODE_TOKEN"; then
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+  done
+}
+
+# SIGUSR1 is the trainer's "save and stop" signal: Slurm delivers it to every process of the
+# step, the workers handle it. The agent must not die of it, so it inherits "ignore".
+trap '' USR1
+"${cmd[@]}" &
+agent=$!
+# A stop signal for this script goes to the agent, which stops its workers gracefully.
+# Slurm signals every process of a step, and a terminal's Ctrl-C the whole process group,
+# so then the agent has it already: a second copy would cut its graceful shutdown short.
+got_signal=""
+forward() {
+  got_signal=$1
+  if ((!in_slurm)) && [ "$1" != INT ]; then kill "-$1" "$agent" 2>/dev/null || true; fi
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward HUP' HUP
+while true; do
+  set +e
+  wait "$agent"
+  rc=$?
+  set -e
+  kill -0 "$agent" 2>/dev/null || break  # otherwise `wait` was interrupted by a trapped signal
+done
+
+if ((rc > 128)) && [ -z "$got_signal" ]; then
+  sig=$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))
+  kill_leftover_workers
+  log "error: the torchrun agent on $host died of SIG$sig: this node has left the job and its workers were stopped. The other nodes' workers fail at their next collective; their agents then wait up to RDZV_TIMEOUT=${RDZV_TIMEOUT}s for this node (srun --kill-on-bad-exit=1 ends the whole step at once instead)."
+elif ((rc != 0)); then
+  log "torchrun on $host exited with code $rc"
+fi
+exit "$rc"

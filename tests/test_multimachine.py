@@ -1,0 +1,163 @@
+"""Two machines without Slurm: launch/multinode.sh run once per "machine", both on this host
+(127.0.0.1), as a user would on two servers with HEAD_NODE=<first server> NNODES=2."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY
+
+pytestmark = pytest.mark.slow
+
+MULTINODE = REPO / "launch" / "multinode.sh"
+
+PROBE = '''
+import atexit, json, os, socket, sys
+_dir = os.environ.get("MINGPT_RANK_PROBE")
+def _record():
+    if _dir and "RANK" in os.environ and sys.argv and sys.argv[0].endswith("main.py"):
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MACHINE")
+        with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
+            json.dump({k: os.environ.get(k) for k in keys}, f)
+atexit.register(_record)
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine_env(**settings: str) -> dict:
+    """This process's environment without any Slurm job around it, plus `settings`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(PYTHONUNBUFFERED="1", **settings)
+    return env
+
+
+def resolve(tmp_path: Path, **settings: str) -> tuple[str, str]:
+    """(topology line, torchrun command) that multinode.sh would use, from DRY_RUN=1."""
+    proc = subprocess.run([str(MULTINODE), "model=gpt-nano"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=machine_env(DRY_RUN="1", **settings))
+    assert proc.returncode == 0, proc.stderr
+    topology = [line for line in proc.stderr.splitlines() if line.startswith("multinode: topology:")]
+    assert len(topology) == 1, proc.stderr
+    return topology[0], proc.stdout
+
+
+def test_topology_resolution(tmp_path):
+    """What multinode.sh derives from its environment: workers per GPU (CUDA_VISIBLE_DEVICES,
+    else `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count, first node, job id
+    and a per-job port; without Slurm HEAD_NODE, port 29500 and a run id both machines agree
+    on; elastic MIN:MAX; overrides."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2; do echo \"GPU $i: Fake (UUID: GPU-$i)\"; done\n")
+    (fake_bin / "nvidia-smi").chmod(0o755)
+    with_smi = f"{fake_bin}:{os.environ['PATH']}"
+
+    topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1")
+    assert "nproc_per_node=2 (GPUs; 2 GPU(s))" in topo and "--nproc_per_node=2" in cmd
+    topo, cmd = resolve(tmp_path, PATH=with_smi)
+    assert "--nproc_per_node=3" in cmd, topo
+    topo, cmd = resolve(tmp_path, PATH=with_smi, CUDA_VISIBLE_DEVICES="")
+    assert "--nproc_per_node=1" in cmd and "no GPU" in topo, topo
+    topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1", NPROC_PER_NODE="1")
+    assert "--nproc_per_node=1" in cmd, topo
+
+    topo, cmd = resolve(tmp_path, HEAD_NODE="10.1.2.3", NNODES="2")
+    assert "--nnodes=2" in cmd and "--rdzv_endpoint=10.1.2.3:29500" in cmd and "--rdzv_id=10.1.2.3-29500" in cmd
+    assert "joins 10.1.2.3:29500" in topo, topo
+    topo, cmd = resolve(tmp_path, HEAD_NODE="127.0.0.1", NNODES="1:4", RDZV_PORT="31000", RUN_ID="exp7",
+                        MAX_RESTARTS="5", RDZV_TIMEOUT="60")
+    assert "hosts the rendezvous 127.0.0.1:31000" in topo, topo
+    for part in ("--nnodes=1:4", "--rdzv_id=exp7", "--max-restarts=5", "join_timeout=60"):
+        assert part in cmd, cmd
+
+    slurm = dict(SLURM_JOB_ID="1234", SLURM_JOB_NODELIST="gpu-[007-008]", SLURM_JOB_NUM_NODES="2", SLURM_NODEID="1")
+    topo, cmd = resolve(tmp_path, **slurm)
+    assert "(Slurm job 1234 node 1 of 2) joins gpu-007:30734" in topo, topo
+    for part in ("--nnodes=2", "--rdzv_endpoint=gpu-007:30734", "--rdzv_id=1234"):
+        assert part in cmd, cmd
+    topo, cmd = resolve(tmp_path, **slurm, MASTER_PORT="40000")
+    assert "--rdzv_endpoint=gpu-007:40000" in cmd, cmd
+
+    bad = subprocess.run([str(MULTINODE)], capture_output=True, text=True, timeout=60,
+                         env=machine_env(DRY_RUN="1", NNODES="two"))
+    assert bad.returncode == 1 and "NNODES=two" in bad.stderr, bad.stderr
+
+
+def test_two_machines_with_different_process_counts_started_apart(tmp_path, small_corpus):
+    """Machine A (1 process) starts, machine B (2 processes, same HEAD_NODE and NNODES=2,
+    no RUN_ID: the default is derived from HEAD_NODE and the port, so both agree) starts
+    10 s later: together they form one job of world size 3 with global ranks 0, 1, 2
+    each exactly once, and both exit 0."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PROBE)
+    ranks_dir = tmp_path / "ranks"
+    ranks_dir.mkdir()
+    common = dict(HEAD_NODE="127.0.0.1", NNODES="2", RDZV_PORT=str(free_port()), RDZV_TIMEOUT="120",
+                  MAX_RESTARTS="0", PYTHONPATH=str(site), MINGPT_RANK_PROBE=str(ranks_dir))
+    args = [*TINY, f"data.path={small_corpus}", "trainer.max_steps=10", f"hydra.run.dir={tmp_path / 'run'}"]
+    logs = {name: open(tmp_path / f"{name}.log", "w") for name in ("a", "b")}
+    procs = {}
+    try:
+        procs["a"] = subprocess.Popen([str(MULTINODE), *args], cwd=tmp_path, stdout=logs["a"], stderr=subprocess.STDOUT,
+                                      env=machine_env(**common, NPROC_PER_NODE="1", MACHINE="a"))
+        time.sleep(10)
+        assert procs["a"].poll() is None, (tmp_path / "a.log").read_text()  # still waiting for B
+        procs["b"] = subprocess.Popen([str(MULTINODE), *args], cwd=tmp_path, stdout=logs["b"], stderr=subprocess.STDOUT,
+                                      env=machine_env(**common, NPROC_PER_NODE="2", MACHINE="b"))
+        codes = {name: p.wait(timeout=180) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    out = {name: (tmp_path / f"{name}.log").read_text() for name in logs}
+    assert codes == {"a": 0, "b": 0}, out
+    for name, text in out.items():
+        topo = [line for line in text.splitlines() if line.startswith("multinode: topology:")]
+        assert len(topo) == 1 and f"run_id=127.0.0.1-{common['RDZV_PORT']}" in topo[0], text
+    both = out["a"] + out["b"]
+    assert "on 3 process(es)" in both and "done: step 10" in both, out
+
+    ranks = [json.loads(p.read_text()) for p in ranks_dir.glob("*.json")]
+    assert sorted(int(r["RANK"]) for r in ranks) == [0, 1, 2], ranks
+    assert {r["WORLD_SIZE"] for r in ranks} == {"3"}, ranks
+    assert sorted((r["MACHINE"], r["LOCAL_WORLD_SIZE"], r["LOCAL_RANK"]) for r in ranks) == [
+        ("a", "1", "0"), ("b", "2", "0"), ("b", "2", "1")], ranks
+    assert len({r["GROUP_RANK"] for r in ranks}) == 2, ranks  # two nodes, ranked by the rendezvous
+    assert (tmp_path / "run" / "snapshot.pt").exists()
+
+
+def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path, small_corpus):
+    """A machine pointed at a head that is not there (192.0.2.1, TEST-NET-1) does not hang:
+    it exits non-zero after RDZV_TIMEOUT with a message that names the address and port and
+    what to check (firewall, NCCL_SOCKET_IFNAME)."""
+    timeout = 6
+    start = time.monotonic()
+    proc = subprocess.run(
+        [str(MULTINODE), *TINY, f"data.path={small_corpus}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=machine_env(HEAD_NODE="192.0.2.1", NNODES="2", RDZV_PORT="29555", RDZV_TIMEOUT=str(timeout)),
+    )
+    elapsed = time.monotonic() - start
+    err = proc.stderr
+    assert proc.returncode != 0, proc.stdout + err
+    assert timeout - 1 <= elapsed < timeout + 20, f"{elapsed:.1f} s\n{err}"
+    message = err.strip().splitlines()[-1]
+    assert "192.0.2.1:29555" in message and f"RDZV_TIMEOUT={timeout}s" in message, err
+    assert "firewall" in message and "NCCL_SOCKET_IFNAME" in message, err
+    assert "training" not in proc.stdout + err  # it never started torchrun
+    assert not re.search(r"Traceback", err), err
