@@ -7,17 +7,20 @@ position is a window boundary in some epoch.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import urllib.request
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import fsspec
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
+from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,9 +73,93 @@ def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
             os.unlink(tmp)
 
 
-def ensure_local_copy(path: str, url: Optional[str]) -> None:
-    """Download the corpus to a missing local `path` when a download URL is configured."""
-    if url and "://" not in path and not os.path.exists(path):
+def is_remote(path: str) -> bool:
+    """A URL that fsspec opens with something other than the local filesystem."""
+    return "://" in path and not path.startswith("file://")
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mingpt_ddp", "data")
+
+
+def local_copy_path(path: str, cache_dir: Optional[str]) -> str:
+    """Where this node reads `path` from: itself if local, else its copy in the cache,
+    named by a hash of the URL (the same name on every rank and node)."""
+    if not is_remote(path):
+        return path
+    name = path.rstrip("/").rsplit("/", 1)[-1] or "data"
+    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+    return os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"{digest}-{name}")
+
+
+def fetch_to_cache(url: str, storage_options: Optional[Mapping[str, Any]], local: str, retry_minutes: float) -> None:
+    """Copy remote `url` to `local` unless the copy there is of the same remote version
+    (fsspec's ``ukey``: size, ETag, modification time). Atomic: a temp file in the cache
+    directory, then os.replace; a `.source` file next to it records the version."""
+    fs, remote = storage.filesystem(url, storage_options)
+    stamp = local + ".source"
+
+    def fetch() -> None:
+        if fs.isdir(remote):
+            raise IsADirectoryError(url)
+        version = fs.ukey(remote)
+        if os.path.exists(local) and os.path.exists(stamp):
+            with open(stamp, encoding="utf-8") as f:
+                if f.read() == version:
+                    log.info("data %s: using this node's cached copy %s", url, local)
+                    return
+        directory = os.path.dirname(local)
+        os.makedirs(directory, exist_ok=True)
+        log.info("data %s: copying to this node's cache %s", url, local)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fetch-")
+        try:
+            with os.fdopen(fd, "wb") as out, fs.open(remote, "rb") as src:
+                shutil.copyfileobj(src, out, 8 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, local)
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(version)
+            os.replace(tmp, stamp)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    fs.invalidate_cache(remote)
+    try:
+        storage.retry_transient(fetch, f"copying data {url}", retry_minutes)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(_fetch_error(url, local, exc, retry_minutes)) from None
+
+
+def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float) -> str:
+    cache_dir = os.path.dirname(local)
+    if isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
+        return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
+                "set data.cache_dir to a writable local directory")
+    if isinstance(exc, FileNotFoundError):
+        return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
+    if isinstance(exc, IsADirectoryError):
+        return f"data.path={url} is a directory: point it at a text file"
+    if isinstance(exc, PermissionError):
+        return (f"cannot read data file {url} ({storage.describe(exc)}): check the credentials (AWS_* environment, "
+                "AWS_PROFILE, instance role) and data.storage_options")
+    return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
+            f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
+            "credentials")
+
+
+def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[Mapping[str, Any]] = None,
+                      cache_dir: Optional[str] = None, retry_minutes: float = 0.0) -> None:
+    """Make the text readable from this node's disk: download a missing local `path` from
+    `url` when one is configured, or copy a remote `path` into the cache directory.
+    Run by one process per node (the others wait), so each node reads the store once."""
+    if is_remote(path):
+        fetch_to_cache(path, storage_options, local_copy_path(path, cache_dir), retry_minutes)
+    elif url and not os.path.exists(path):
         download(url, path)
 
 

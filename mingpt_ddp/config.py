@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 
 from mingpt_ddp.errors import ConfigError
 
+MAX_SAVE_RETRY_MINUTES = 20.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -47,6 +48,12 @@ class DataConfig:
     val_fraction: float = 0.1
     # Where to fetch the corpus when `path` does not exist; null never downloads.
     download_url: Optional[str] = TINY_SHAKESPEARE_URL
+    # fsspec options for a remote `path` (endpoint, profile, ...); secrets only from the
+    # environment: ${oc.env:VAR}, never written literally (see storage.py).
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+    # Where each node keeps its one copy of a remote `path`; null: $MINGPT_DDP_CACHE, else
+    # $XDG_CACHE_HOME/mingpt_ddp/data, else ~/.cache/mingpt_ddp/data.
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -79,6 +86,12 @@ class TrainerConfig:
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
+    storage_options: Dict[str, Any] = field(default_factory=dict)
+    # Saving may keep failing (retried in the background) this long before the run stops.
+    save_retry_minutes: float = 15.0
+    # At start, an unreachable store (snapshots, data) is retried this long, then an error.
+    load_retry_minutes: float = 2.0
 
 
 @dataclass
@@ -179,3 +192,10 @@ def validate(cfg: Any) -> None:
         _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
+    if not 0 < t.save_retry_minutes <= MAX_SAVE_RETRY_MINUTES:
+        raise ConfigError(
+            f"trainer.save_retry_minutes={t.save_retry_minutes} must be in (0, {MAX_SAVE_RETRY_MINUTES}]: at the end "
+            "of a run the other ranks wait for rank 0's last save inside a collective that times out after 30 minutes"
+        )
+    if t.load_retry_minutes < 0:
+        raise ConfigError(f"trainer.load_retry_minutes={t.load_retry_minutes} must be >= 0 (0: no retries)")

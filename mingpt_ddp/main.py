@@ -18,8 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed
-from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, read_text
+from mingpt_ddp import config, distributed, storage
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
@@ -32,12 +32,19 @@ log = logging.getLogger("mingpt_ddp")
 config.register()
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, vocab: Optional[Vocabulary] = None) -> CharCorpus:
-    """Download the corpus once per node if it is missing, then read it on every rank."""
-    distributed.on_main_then_share(lambda: ensure_local_copy(cfg.path, cfg.download_url), dist, once_per_node=True)
-    corpus = CharCorpus(read_text(cfg.path), cfg.val_fraction, vocab)
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
+    """Fetch the corpus once per node (download a missing local file, or copy a remote one
+    into data.cache_dir), then read it from this node's disk on every rank."""
+    options = storage.resolve_options(cfg.storage_options, "data.storage_options")
+    storage.remember_secrets(storage.secret_option_values(options))
+    distributed.on_main_then_share(
+        lambda: ensure_local_copy(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes),
+        dist, once_per_node=True,
+    )
+    local = local_copy_path(cfg.path, cfg.cache_dir)
+    corpus = CharCorpus(read_text(local), cfg.val_fraction)
     corpus.check_block_size(cfg.block_size)
-    return corpus
+    return corpus, local
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
@@ -63,17 +70,22 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
 def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[float], str]:
     """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
-    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last)
+    snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
+    storage.remember_secrets(storage.secret_option_values(snapshot_options))
+    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last,
+                          snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
 
-    corpus = load_corpus(cfg.data, dist)
+    corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
     if found is not None:
         snapshot, where = found
         vocab = Vocabulary(snapshot["vocab"])
     model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
     if found is not None:
+        # Checked even for a finished run: another model or text under the same snapshot
+        # path is a mistake to report, not a run to skip.
         check_compatible(snapshot, where, model_cfg, corpus.vocab)
         state = TrainState(**snapshot["train_state"])
         if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
@@ -84,7 +96,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
                 )
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus = CharCorpus(read_text(cfg.data.path), cfg.data.val_fraction, vocab)
+            corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
@@ -93,13 +105,13 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     metadata = {
         "vocab": vocab.chars,
         "model_config": dict(vars(model_cfg)),
-        "config": OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0)
     try:
         trainer = Trainer(
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
-            BackgroundSaver(store) if dist.is_main else None, metadata,
+            BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
         )
         metrics.total_steps = trainer.total_steps
         if found is not None:
@@ -115,6 +127,18 @@ def _quiet_other_ranks(dist: DistEnv) -> None:
     """Rank 0 tells the story; the other ranks only speak up for warnings."""
     if not dist.is_main:
         logging.getLogger().setLevel(logging.WARNING)
+
+
+def _hydra_files_dirs() -> list[str]:
+    """Where this process's Hydra wrote the config (rank 0 only): the run's `.hydra/` and,
+    in a multirun, the sweep directory's multirun.yaml."""
+    hydra_cfg = HydraConfig.get()
+    if not hydra_cfg.output_subdir:
+        return []
+    dirs = [os.path.join(hydra_cfg.runtime.output_dir, hydra_cfg.output_subdir)]
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        dirs.append(hydra_cfg.sweep.dir)
+    return dirs
 
 
 def _agreed_run_dir(dist: DistEnv) -> str:
@@ -136,6 +160,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     started = time.time()
     try:
+        storage.redact_logs()
+        # Before anything else: Hydra has just written .hydra/ from the raw config.
+        storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
         dist = distributed.setup()
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -143,10 +170,10 @@ def main(cfg: DictConfig) -> Optional[float]:
         error = ""
     except ConfigError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(ConfigError.exit_code)
-        status, val_loss, snapshot, error = "failed", None, None, str(exc)
+        status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
         run_dir = HydraConfig.get().runtime.output_dir
     finally:
         gc.collect()  # a sweep's next point starts without this one's model and optimizer

@@ -11,12 +11,12 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import fsspec
 import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp.char_dataset import Vocabulary
+from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import SnapshotStore
@@ -34,12 +34,22 @@ class SampleConfig:
     device: str = "cpu"
 
 
+# An unreachable store is retried this long before a clear error.
+RETRY_MINUTES = 0.5
+
+
 def snapshot_store_for(target: str) -> SnapshotStore:
-    """A snapshot file, or a run directory holding snapshot.pt."""
-    fs, path = fsspec.core.url_to_fs(target)
-    if fs.isdir(path):
-        return SnapshotStore(target.rstrip("/") + "/snapshot.pt")
-    return SnapshotStore(target)
+    """A snapshot file, or a run directory holding snapshot.pt (local or any fsspec URL;
+    credentials and endpoint from the environment, e.g. AWS_PROFILE, AWS_ENDPOINT_URL)."""
+    fs, path = storage.filesystem(target)
+    try:
+        is_dir = storage.retry_transient(lambda: fs.isdir(path), f"reading {target}", RETRY_MINUTES)
+    except Exception as exc:
+        raise ConfigError(f"cannot read {target} ({storage.describe(exc)}): check the path, the endpoint "
+                          "(AWS_ENDPOINT_URL) and the credentials") from None
+    if is_dir:
+        return SnapshotStore(target.rstrip("/") + "/snapshot.pt", retry_minutes=RETRY_MINUTES)
+    return SnapshotStore(target, retry_minutes=RETRY_MINUTES)
 
 
 def generate_text(target: str, opts: SampleConfig) -> str:
@@ -82,7 +92,7 @@ def cli(argv: Optional[list[str]] = None) -> None:
     except ConfigError as exc:
         if "characters outside the vocabulary" in str(exc):
             exc = ConfigError(f"prompt {exc}: use only characters the model was trained on")
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     sys.stdout.write(text + "\n")
 

@@ -14,9 +14,15 @@ Layout next to ``trainer.snapshot_path`` (``.../snapshot.pt``)::
     snapshot.pt                 the newest snapshot (a hard link locally, a copy on S3)
 
 Each file appears whole or not at all: a temp file in the same directory, fsync and
-``os.replace`` on local and FSx paths; a single PUT (``pipe_file``) on object stores.
-"Newest" is decided by the step numbers in the names and headers, never by listing
-order or modification times.
+``os.replace`` on local and FSx paths; a single PUT or one completed multipart upload
+(``pipe_file`` of the whole serialised bytes) on object stores, where rename is a copy;
+a temp name and a rename on other remote filesystems (HDFS, SFTP). "Newest" is decided by
+the step numbers in the names and headers, never by listing order or modification times,
+and listings are re-read from the store (fsspec's listing cache dropped) each time.
+
+Only global rank 0 writes (through a :class:`BackgroundSaver`); every rank reads. A failed
+write is retried in the background while training goes on, and the trainer stops the run
+once saving has kept failing for ``trainer.save_retry_minutes``.
 """
 from __future__ import annotations
 
@@ -26,13 +32,13 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
-import fsspec
 import torch
-from fsspec.implementations.local import LocalFileSystem
 
+from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -92,13 +98,23 @@ def to_cpu(obj: Any) -> Any:
 
 
 class SnapshotStore:
-    """The snapshots of one run at `path` (a local path or any fsspec URL)."""
+    """The snapshots of one run at `path` (a local path or any fsspec URL).
 
-    def __init__(self, path: str, keep_last: int = 2):
+    `storage_options` go to the fsspec filesystem (e.g. an S3 endpoint or profile).
+    On remote stores, reading and the write check retry transient failures (store
+    unreachable, throttled) for up to `retry_minutes`, then raise a ConfigError saying
+    what failed.
+    """
+
+    def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
+                 retry_minutes: float = 0.0):
         self.url = path
-        self.fs, self.path = fsspec.core.url_to_fs(path)
-        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.fs, self.path = storage.filesystem(path, storage_options)
+        self.is_local = storage.is_local(self.fs)
+        self.is_object_store = storage.is_object_store(self.fs)
         self.keep_last = keep_last
+        # A local error (no space, read-only, not a directory) does not go away by retrying.
+        self.retry_minutes = 0.0 if self.is_local else retry_minutes
         self.directory, name = self.path.rsplit("/", 1) if "/" in self.path else ("", self.path)
         self.stem, dot, suffix = name.partition(".")
         self.suffix = dot + suffix if dot else ""
@@ -115,6 +131,9 @@ class SnapshotStore:
 
     # ---- reading -----------------------------------------------------------------
     def _history_steps(self) -> list[tuple[int, str]]:
+        # Another process (the writer, or an earlier run) may have changed the directory
+        # since this process last listed it: never answer from fsspec's listing cache.
+        self.fs.invalidate_cache(self.directory or None)
         try:
             names = self.fs.ls(self.directory or ".", detail=False)
         except FileNotFoundError:
@@ -129,9 +148,11 @@ class SnapshotStore:
     def candidates(self) -> list[str]:
         """Existing snapshot files, newest step first (by number, not by listing order)."""
         found = self._history_steps()
-        if self.fs.exists(self.path):
-            with self.fs.open(self.path, "rb") as f:
-                step = header_step(f.read(256))
+        try:
+            step = header_step(self.fs.cat_file(self.path, start=0, end=256))
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+        else:
             found.append((step if step is not None else -1, self.path))
         # Equal steps: prefer the per-step file, the latest pointer is the same bytes.
         found.sort(key=lambda item: (item[0], item[1] != self.path), reverse=True)
@@ -141,13 +162,27 @@ class SnapshotStore:
         """The newest snapshot that passes its checks, or None when there is none at all.
 
         A damaged file is skipped with a warning naming it; if every file is damaged,
-        a ConfigError: starting from scratch silently would throw the run away.
+        a ConfigError: starting from scratch silently would throw the run away. An
+        unreachable store is retried for `retry_minutes`, then a ConfigError, for the same
+        reason.
         """
-        candidates = self.candidates()
+        try:
+            return storage.retry_transient(self._load_newest_valid, f"reading snapshots at {self.url}",
+                                           self.retry_minutes)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"cannot read snapshots at {self.url} ({storage.describe(exc)}){self._hint(exc, 'read')}"
+            ) from None
+
+    def _load_newest_valid(self) -> Optional[tuple[dict[str, Any], str]]:
         problems = []
-        for path in candidates:
+        for path in self.candidates():
             try:
                 state = decode(self.fs.cat_file(path), self.display(path))
+            except FileNotFoundError:  # removed by the writer's retention since the listing
+                continue
             except CorruptSnapshot as exc:
                 log.warning("skipping unusable snapshot %s", exc)
                 problems.append(str(exc))
@@ -160,24 +195,49 @@ class SnapshotStore:
             )
         return None
 
+    def _hint(self, exc: BaseException, doing: str) -> str:
+        if isinstance(exc, FileNotFoundError) and not self.is_local:
+            return ": the bucket or container does not exist; create it, or set trainer.snapshot_path"
+        if isinstance(exc, PermissionError):
+            return (f": access denied; check the credentials (AWS_* environment, AWS_PROFILE, instance role) and "
+                    f"that they may {doing} this location, or set trainer.snapshot_path")
+        if storage.is_transient(exc) and not self.is_local:
+            return (f": the store stayed unreachable for trainer.load_retry_minutes={self.retry_minutes:g}; check "
+                    "the endpoint (AWS_ENDPOINT_URL or trainer.storage_options), the network and the credentials")
+        return ""
+
     # ---- writing (global rank 0 only) --------------------------------------------
     def check_writable(self) -> None:
-        """Fail before training, not at the first save hours later."""
+        """Fail before training, not at the first save hours later. On object stores a
+        missing bucket is an error: it is never created here."""
         probe = self._join(f".{self.stem}.write-test-{uuid.uuid4().hex[:8]}")
-        try:
-            if self.directory:
+
+        def write_and_remove_probe() -> None:
+            if self.directory and not self.is_object_store:
                 self.fs.makedirs(self.directory, exist_ok=True)
             self.fs.pipe_file(probe, b"ok")
             self.fs.rm(probe)
+
+        try:
+            storage.retry_transient(write_and_remove_probe, f"checking that {self.url} is writable",
+                                    self.retry_minutes)
         except Exception as exc:
+            hint = self._hint(exc, "write to")
             raise ConfigError(
-                f"cannot write snapshots to {self.url} ({type(exc).__name__}: {exc}): "
-                "set trainer.snapshot_path to a writable location"
+                f"cannot write snapshots to {self.url} ({storage.describe(exc)}){hint}"
+                + ("" if hint else ": set trainer.snapshot_path to a writable location")
             ) from None
 
     def _write_whole(self, path: str, blob: bytes) -> None:
-        if not self.is_local:
-            self.fs.pipe_file(path, blob)  # one PUT: the object appears whole or not at all
+        if self.is_object_store:
+            # One PUT (or one multipart upload, completed at the end): the object appears
+            # whole or not at all. Never a rename: on S3 that is a copy and a delete.
+            self.fs.pipe_file(path, blob)
+            return
+        if not self.is_local:  # HDFS, SFTP, ...: write a temp name, then rename
+            tmp = self._join(f".{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex[:8]}")
+            self.fs.pipe_file(tmp, blob)
+            self.fs.mv(tmp, path)
             return
         directory = os.path.dirname(path) or "."
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
@@ -193,8 +253,11 @@ class SnapshotStore:
         _fsync_dir(directory)
 
     def _point_latest_at(self, step_file: str) -> None:
-        if not self.is_local:
+        if self.is_object_store:
             self.fs.copy(step_file, self.path)  # server-side copy, whole or nothing
+            return
+        if not self.is_local:
+            self._write_whole(self.path, self.fs.cat_file(step_file))
             return
         tmp = f"{self.path}.link-{uuid.uuid4().hex[:8]}"
         try:
@@ -212,8 +275,12 @@ class SnapshotStore:
         step_file = self.step_path(step)
         self._write_whole(step_file, blob)
         self._point_latest_at(step_file)
-        for old_step, old in sorted(self._history_steps(), reverse=True)[self.keep_last :]:
-            self.fs.rm(old)
+        try:
+            for old_step, old in sorted(self._history_steps(), reverse=True)[self.keep_last :]:
+                self.fs.rm(old)
+        except Exception as exc:  # the snapshot is saved; the next save retries the cleanup
+            log.warning("removing old snapshots at %s failed (%s); will retry at the next save",
+                        self.url, storage.describe(exc))
         return self.display(step_file)
 
 
@@ -234,33 +301,102 @@ def _fsync_dir(directory: str) -> None:
 class BackgroundSaver:
     """Writes snapshots in a background thread so training only pauses to copy state.
 
-    At most one write is in flight: a new save first waits for the previous one. Only
-    global rank 0 ever creates one, so there is never a second writer.
+    At most one write is in flight: a new save first waits for the upload in progress.
+    Only global rank 0 ever creates one, so there is never a second writer.
+
+    A failed write is logged (URL and error) and retried with exponential backoff in the
+    background while training goes on; a newer snapshot submitted meanwhile replaces the
+    one waiting to be retried. Once saving has failed for `retry_minutes` with no success
+    in between, `failed` turns true and `error` says why: the trainer then stops every
+    rank rather than train on with nothing saved.
     """
 
-    def __init__(self, store: SnapshotStore):
+    def __init__(self, store: SnapshotStore, retry_minutes: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.store = store
+        self.retry_minutes = retry_minutes
+        self._clock = clock
         self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._superseded = threading.Event()
+        self._failing_since: Optional[float] = None
+        self._failures = 0
+        self._last_error: Optional[str] = None
+        self._bug: Optional[BaseException] = None
         self.last_saved: Optional[str] = None
 
     def submit(self, state_on_cpu: dict[str, Any], step: int) -> None:
-        self.wait()
-        self._thread = threading.Thread(target=self._write, args=(state_on_cpu, step), daemon=True)
+        self._superseded.set()  # a write waiting to be retried gives way to this newer one
+        self._join()
+        self._superseded.clear()
+        self._thread = threading.Thread(target=self._write, args=(state_on_cpu, step), daemon=True,
+                                        name="snapshot-writer")
         self._thread.start()
+
+    @property
+    def failed(self) -> bool:
+        """Saving has failed for `retry_minutes` without a success in between."""
+        since = self._failing_since
+        return since is not None and self._clock() - since >= 60 * self.retry_minutes
+
+    @property
+    def error(self) -> Optional[str]:
+        if not self.failed:
+            return None
+        minutes = (self._clock() - self._failing_since) / 60
+        return (
+            f"saving snapshots to {self.store.url} has failed for {minutes:.1f} minutes ({self._failures} attempts; "
+            f"trainer.save_retry_minutes={self.retry_minutes:g}), last error: {self._last_error}. Newest snapshot "
+            f"saved by this run: {self.last_saved or 'none'}. Fix the storage (endpoint, credentials, permissions, "
+            "space) and run the same command to resume from the newest snapshot"
+        )
 
     def _write(self, state: dict[str, Any], step: int) -> None:
         try:
-            self.last_saved = self.store.save(encode(state, step), step)
+            blob = encode(state, step)
+        except BaseException as exc:  # a bug, not storage: surfaced by the next submit()/wait()
+            self._bug = exc
+            return
+        del state
+        where = self.store.display(self.store.step_path(step))
+        for delay in storage.backoff_delays(first=1.0, cap=60.0):
+            started = self._clock()
+            try:
+                self.last_saved = self.store.save(blob, step)
+            except Exception as exc:
+                if self._failing_since is None:
+                    self._failing_since = started
+                self._failures += 1
+                self._last_error = storage.describe(exc)
+                if self.failed:
+                    log.error("saving snapshot %s failed (%s); giving up after trainer.save_retry_minutes=%g",
+                              where, self._last_error, self.retry_minutes)
+                    return
+                left = 60 * self.retry_minutes - (self._clock() - self._failing_since)
+                delay = max(0.0, min(delay, left))
+                log.warning("saving snapshot %s failed (%s); retrying in %.0fs while training goes on "
+                            "(failing for %.0fs; the run stops after trainer.save_retry_minutes=%g)",
+                            where, self._last_error, delay, self._clock() - self._failing_since,
+                            self.retry_minutes)
+                if self._superseded.wait(delay):
+                    log.info("snapshot %s was not saved; a newer one replaces it", where)
+                    return
+                continue
+            if self._failing_since is not None:
+                log.warning("saving works again after %d failed attempts", self._failures)
+            self._failing_since, self._failures = None, 0
             log.info("saved snapshot %s (step %d)", self.last_saved, step)
-        except BaseException as exc:  # surfaced by wait() in the training thread
-            self._error = exc
+            return
 
-    def wait(self) -> None:
-        """Block until the write in flight is done; re-raise its failure here."""
+    def _join(self) -> None:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"saving a snapshot to {self.store.url} failed: {error}") from error
+        if self._bug is not None:
+            bug, self._bug = self._bug, None
+            raise RuntimeError(f"encoding a snapshot for {self.store.url} failed: {bug}") from bug
+
+    def wait(self) -> Optional[str]:
+        """Block until the write in flight is saved (retrying it for up to `retry_minutes`)
+        or has failed past that limit; return `error` (None once saved)."""
+        self._join()
+        return self.error

@@ -357,18 +357,26 @@ class Trainer:
 
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
         """One tiny all_reduce every `log_every` steps: did any rank get a stop signal (its
-        number, 0 if none), and is a time-based snapshot due by rank 0's clock? Every rank
-        acts on the same answer, so all stop after the same step."""
+        number, 0 if none), is a time-based snapshot due by rank 0's clock, and has rank 0's
+        saving failed for longer than trainer.save_retry_minutes? Every rank acts on the
+        same answer, so all stop after the same step."""
         minutes = self.cfg.snapshot_every_minutes
         save_due = bool(minutes) and self.dist.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
-        flags = torch.tensor([float(stop_request.signum), float(save_due)], device=self.device)
+        save_failed = self.saver is not None and self.saver.failed
+        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed)], device=self.device)
         distributed.all_reduce_max(flags)
-        stop_signal, save_due = flags.tolist()
+        stop_signal, save_due, save_failed = flags.tolist()
+        if save_failed:
+            raise ConfigError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
         return int(stop_signal), save_due > 0
 
     def _wait_for_saves(self) -> None:
-        if self.saver is not None:
-            self.saver.wait()
+        """Wait for rank 0's last write (retried for up to trainer.save_retry_minutes); if it
+        could not be saved, every rank stops with rank 0's error."""
+        error = self.saver.wait() if self.saver is not None else None
+        error = distributed.broadcast_object(error)
+        if error:
+            raise ConfigError(error)
 
     def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float) -> None:
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size

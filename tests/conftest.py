@@ -73,3 +73,46 @@ def load_snapshot(path: Path) -> dict:
     from mingpt_ddp.snapshot import decode
 
     return decode(path.read_bytes(), str(path))
+
+
+# ---- S3 servers on 127.0.0.1 (tests/s3_servers.py), one of each per session ----------------
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """SeaweedFS's S3 gateway; a test that stops it must start it again (same ports, same data)."""
+    from s3_servers import SeaweedFS
+
+    server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3(tmp_path_factory):
+    from s3_servers import MotoServer
+
+    server = MotoServer(tmp_path_factory.mktemp("moto")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def s3_env(server, **extra) -> dict:
+    """Environment for a child process that talks to `server` only: its endpoint and test
+    credentials, botocore retrying briefly (our own retries are what is tested), no profile
+    files and no instance-metadata lookups."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(server.env, AWS_RETRY_MODE="standard", AWS_MAX_ATTEMPTS="2", PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def s3_options(server) -> dict:
+    """fsspec storage options for in-process tests (no environment needed)."""
+    from s3_servers import ACCESS_KEY, SECRET_KEY
+
+    return {"key": ACCESS_KEY, "secret": SECRET_KEY, "client_kwargs": {"endpoint_url": server.endpoint,
+                                                                       "region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}}}

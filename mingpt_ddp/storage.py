@@ -1,0 +1,293 @@
+"""What snapshots and data share about storage: fsspec filesystems built with storage
+options, bounded retries of transient failures, and keeping secrets out of everything a
+run writes.
+
+Secrets policy: credentials come from the standard chain of the backend (for S3: the
+``AWS_*`` environment, a profile, an instance role). A storage option that looks like a
+secret (``key``, ``secret``, ``token``, ``password``, ...) may only be given as an
+``${oc.env:VAR}`` interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved
+config before any of our code runs, so only the interpolation's text lands there. A
+literal secret is refused (ConfigError) and rank 0 scrubs it from the ``.hydra/`` files
+Hydra already wrote. Resolved secrets are redacted from the config stored in snapshots
+and from log lines.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from urllib.parse import urlsplit
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from mingpt_ddp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+REDACTED = "<redacted>"
+# Option names that carry credentials in s3fs, gcsfs, adlfs, ocifs, sshfs, ...
+_SECRET_NAME = re.compile(
+    r"^(key|secret|token|password|passwd|credentials?|sas|signature)$"
+    r"|secret|token|passw|credential|private_key|account_key|access_key|api_key|connection_string|sas_",
+    re.IGNORECASE,
+)
+# Environment variables whose values must never be logged (the AWS chain's secrets).
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+# Errors that retrying cannot fix: a wrong name, missing permission, missing credentials.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ConfigError,
+              ValueError, TypeError, KeyError)
+_PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "ParamValidationError", "ProfileNotFound",
+                    "InvalidConfigError", "NoRegionError", "UnknownSignatureVersionError"}
+
+
+def is_secret_name(name: str) -> bool:
+    return bool(_SECRET_NAME.search(str(name)))
+
+
+# ---- storage options and filesystems ---------------------------------------------------
+def resolve_options(node: Any, where: str) -> dict[str, Any]:
+    """A storage_options config node as a plain dict, ``${oc.env:VAR}`` resolved."""
+    if node is None:
+        return {}
+    if not isinstance(node, DictConfig):
+        return dict(node)
+    try:
+        return OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"{where}: {str(exc).splitlines()[0]}") from None
+
+
+def filesystem(url: str, options: Optional[Mapping[str, Any]] = None):
+    """(filesystem, path inside it) for a local path or any fsspec URL."""
+    try:
+        return fsspec.core.url_to_fs(url, **dict(options or {}))
+    except ImportError as exc:
+        scheme = url.split("://", 1)[0]
+        hint = "pip install -e '.[s3]'" if scheme in ("s3", "s3a") else f"install the fsspec backend for {scheme}://"
+        raise ConfigError(f"cannot open {url}: {exc}: {hint}") from None
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"cannot open {url} with the given storage_options: {redact(str(exc))}") from None
+
+
+def is_local(fs) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+# Flat key/value stores: an object appears whole with one PUT, "rename" is copy + delete,
+# directories are only key prefixes, and makedirs on a bucket path would create the bucket.
+OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "r2", "cos", "tos"}
+
+
+def is_object_store(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+
+# ---- retries ----------------------------------------------------------------------------
+def is_transient(exc: BaseException) -> bool:
+    """Worth retrying: connection failures, timeouts, throttling, 5xx. Not worth it: a
+    missing bucket or file, access denied, missing credentials, bad options."""
+    if isinstance(exc, _PERMANENT):
+        return False
+    return not any(cls.__name__ in _PERMANENT_NAMES for cls in type(exc).__mro__)
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a log or an error message, with any known secret redacted."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return redact(f"{type(exc).__name__}: {text[:500]}" if text else type(exc).__name__)
+
+
+def backoff_delays(first: float = 0.5, cap: float = 30.0) -> Iterable[float]:
+    delay = first
+    while True:
+        yield delay
+        delay = min(cap, delay * 2)
+
+
+def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> T:
+    """Call `fn`; retry transient failures with exponential backoff for up to `minutes`,
+    logging each with `what` and the error. Permanent failures are raised at once; past the
+    limit, the last error is raised as it is (the caller turns it into a ConfigError)."""
+    start = clock()
+    for delay in backoff_delays():
+        try:
+            return fn()
+        except Exception as exc:
+            elapsed = clock() - start
+            if not is_transient(exc) or elapsed + delay > 60 * minutes:
+                raise
+            log.warning("%s failed (%s); retrying in %.1fs (%.0fs of %.1f min so far)",
+                        what, describe(exc), delay, elapsed, minutes)
+            sleep(delay)
+    raise AssertionError("unreachable")
+
+
+# ---- secrets ------------------------------------------------------------------------------
+_known_secrets: set[str] = set()
+
+
+def remember_secrets(values: Iterable[Any]) -> None:
+    """Values to redact wherever this process logs or reports an error."""
+    for value in values:
+        if isinstance(value, str) and len(value) >= 6:
+            _known_secrets.add(value)
+
+
+def _secret_env_values() -> list[str]:
+    return [os.environ[name] for name in _SECRET_ENV if os.environ.get(name)]
+
+
+def redact(text: str) -> str:
+    for secret in sorted({*_known_secrets, *[v for v in _secret_env_values() if len(v) >= 6]}, key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """(dotted key, value) of every secret-looking entry in a nested mapping."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            if is_secret_name(k) and not isinstance(v, Mapping):
+                yield f"{path}.{k}", v
+            else:
+                yield from _secret_leaves(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _secret_leaves(v, f"{path}[{i}]")
+
+
+def _url_password(url: Any) -> Optional[str]:
+    if not isinstance(url, str) or "://" not in url:
+        return None
+    try:
+        return urlsplit(url.split("::")[-1]).password
+    except ValueError:
+        return None
+
+
+def literal_secrets(cfg: DictConfig) -> list[tuple[str, str]]:
+    """(config key, value) of secrets written literally into the config: secret-looking
+    storage options that are not ``${oc.env:...}`` interpolations, and passwords in URLs."""
+    found = []
+    for group in ("trainer", "data"):
+        options = cfg[group].get("storage_options")
+        if options is None:
+            continue
+        raw = OmegaConf.to_container(options, resolve=False)
+        for key, value in _secret_leaves(raw, f"{group}.storage_options"):
+            is_interpolation = isinstance(value, str) and re.fullmatch(r"\$\{oc\.env:[^}]+\}", value.strip())
+            if value not in (None, "", False, True) and not is_interpolation:
+                found.append((key, str(value)))
+    for key in ("trainer.snapshot_path", "data.path", "data.download_url"):
+        group, name = key.split(".")
+        password = _url_password(OmegaConf.to_container(cfg[group], resolve=False).get(name))
+        if password:
+            found.append((key, password))
+    return found
+
+
+def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
+    """Raise a ConfigError naming (never showing) each literal secret, after removing them
+    from the YAML files Hydra wrote into `hydra_dirs` before we ran."""
+    found = literal_secrets(cfg)
+    if not found:
+        return
+    remember_secrets(value for _, value in found)
+    for directory in hydra_dirs:
+        scrub_yaml_files(directory, [value for _, value in found])
+    keys = ", ".join(key for key, _ in found)
+    raise ConfigError(
+        f"{keys}: secrets must not be written into the config (Hydra saves it to .hydra/config.yaml and the "
+        "snapshot stores it). Use the standard credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+        "AWS_PROFILE, an instance role), or pass the value from the environment, e.g. "
+        "'+trainer.storage_options.secret=${oc.env:MY_SECRET}'"
+    )
+
+
+def scrub_yaml_files(directory: str, secrets: list[str]) -> None:
+    """Replace every occurrence of `secrets` in the YAML files of `directory`, in place."""
+    import yaml
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            for secret in secrets:
+                value = value.replace(secret, REDACTED)
+            return value
+        if isinstance(value, dict):
+            return {clean(k): clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(".yaml") or not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        if not any(secret in text for secret in secrets):
+            continue
+        tmp = f"{path}.redacting-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            yaml.safe_dump(clean(yaml.safe_load(text)), f, sort_keys=False, allow_unicode=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+
+def redacted_config(container: Any) -> Any:
+    """A resolved config (plain containers) with secret-looking storage options replaced."""
+    if isinstance(container, dict):
+        out = {}
+        for key, value in container.items():
+            if key == "storage_options":
+                out[key] = _redact_options(value)
+            else:
+                out[key] = redacted_config(value)
+        return out
+    if isinstance(container, list):
+        return [redacted_config(v) for v in container]
+    return container
+
+
+def _redact_options(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: REDACTED if is_secret_name(k) and not isinstance(v, dict) and v not in (None, True, False)
+                else _redact_options(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_options(v) for v in value]
+    return value
+
+
+def secret_option_values(options: Mapping[str, Any]) -> list[Any]:
+    """The resolved values of secret-looking options (to redact them from logs)."""
+    return [v for _, v in _secret_leaves(dict(options), "")]
+
+
+class RedactingFilter(logging.Filter):
+    """Removes known secret values from every record a handler emits."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        cleaned = redact(message)
+        if cleaned != message:
+            record.msg, record.args = cleaned, ()
+        return True
+
+
+def redact_logs() -> None:
+    """Install the redacting filter on every handler of the root logger (Hydra's console
+    and main.log handlers)."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -1,0 +1,318 @@
+"""Storage without training: secrets kept out of config files and logs, retries and their
+limits, the background saver's failure handling, and the snapshot store and data cache on
+real S3 servers (moto and SeaweedFS on 127.0.0.1)."""
+import logging
+import os
+import threading
+import time
+import uuid
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import s3_options
+from mingpt_ddp import storage
+from mingpt_ddp.char_dataset import ensure_local_copy, local_copy_path
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, decode, encode
+from s3_servers import READER_ACCESS_KEY, READER_SECRET_KEY, SECRET_KEY, free_ports
+
+
+def state(step: int) -> dict:
+    return {"model": {"w": torch.full((4, 4), float(step))}, "train_state": {"step": step}, "vocab": "ab"}
+
+
+# ---- secrets ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["key", "secret", "token", "password", "aws_secret_access_key", "session_token",
+                                  "account_key", "sas_token", "client_secret", "connection_string", "credentials"])
+def test_secret_looking_option_names(name):
+    assert storage.is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["profile", "anon", "endpoint_url", "region_name", "client_kwargs", "requester_pays",
+                                  "sse_kms_key_id", "default_block_size", "use_ssl"])
+def test_ordinary_option_names(name):
+    assert not storage.is_secret_name(name)
+
+
+def cfg_with(trainer_options=None, data_options=None, snapshot_path=None):
+    return OmegaConf.create({
+        "trainer": {"storage_options": trainer_options or {}, "snapshot_path": snapshot_path},
+        "data": {"storage_options": data_options or {}, "path": "data/x.txt", "download_url": None},
+    })
+
+
+def test_literal_secrets_are_found_but_environment_interpolations_and_flags_are_not():
+    cfg = cfg_with(
+        {"secret": "${oc.env:S3_SECRET}", "key": "${oc.env:S3_KEY}", "anon": False, "profile": "ml",
+         "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}},
+        {"client_kwargs": {"aws_secret_access_key": "literal-value"}, "token": None},
+        snapshot_path="sftp://user:hunter22@host/runs/snapshot.pt",
+    )
+    found = storage.literal_secrets(cfg)
+    assert found == [("data.storage_options.client_kwargs.aws_secret_access_key", "literal-value"),
+                     ("trainer.snapshot_path", "hunter22")]
+
+
+def test_a_literal_secret_is_refused_by_name_and_scrubbed_from_hydra_files(tmp_path):
+    hydra_dir = tmp_path / ".hydra"
+    hydra_dir.mkdir()
+    cfg = cfg_with({"secret": SECRET_KEY, "profile": "ml"})
+    (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (hydra_dir / "overrides.yaml").write_text(f"- +trainer.storage_options.secret={SECRET_KEY}\n")
+    (hydra_dir / "hydra.yaml").write_text(
+        f"hydra:\n  overrides:\n    task:\n    - +trainer.storage_options.secret={SECRET_KEY}\n"
+        f"  job:\n    override_dirname: +trainer.storage_options.secret={SECRET_KEY}\n")
+    with pytest.raises(ConfigError) as err:
+        storage.refuse_literal_secrets(cfg, [str(hydra_dir)])
+    assert "trainer.storage_options.secret" in str(err.value) and "${oc.env:" in str(err.value)
+    assert SECRET_KEY not in str(err.value)
+    for path in hydra_dir.iterdir():
+        text = path.read_text()
+        assert SECRET_KEY not in text and storage.REDACTED in text, path
+    assert OmegaConf.load(hydra_dir / "config.yaml").trainer.storage_options.profile == "ml"
+
+
+def test_stored_config_and_log_lines_have_resolved_secrets_redacted(monkeypatch, caplog):
+    monkeypatch.setenv("S3_SECRET_FOR_TEST", "resolved-secret-0123")
+    cfg = cfg_with({"secret": "${oc.env:S3_SECRET_FOR_TEST}", "profile": "ml"})
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["trainer"]["storage_options"]["secret"] == "resolved-secret-0123"
+    stored = storage.redacted_config(resolved)
+    assert stored["trainer"]["storage_options"] == {"secret": storage.REDACTED, "profile": "ml"}
+
+    options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
+    storage.remember_secrets(storage.secret_option_values(options))
+    handler = logging.StreamHandler()
+    logging.getLogger().addHandler(handler)
+    try:
+        storage.redact_logs()
+        with caplog.at_level(logging.INFO):
+            logging.getLogger("mingpt_ddp.test").warning("upload failed: bad secret %s", "resolved-secret-0123")
+        assert handler.filters and all(
+            "resolved-secret-0123" not in handler.format(r) for r in caplog.records)
+    finally:
+        logging.getLogger().removeHandler(handler)
+
+
+def test_an_unset_environment_variable_is_a_config_error():
+    cfg = cfg_with({"secret": "${oc.env:MINGPT_SURELY_UNSET_VAR}"})
+    with pytest.raises(ConfigError, match="trainer.storage_options"):
+        storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
+
+
+# ---- retries ---------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_transient_failures_are_retried_with_backoff_until_the_limit():
+    clock, calls = FakeClock(), []
+
+    def down():
+        calls.append(clock.now)
+        raise ConnectionError("endpoint down")
+
+    with pytest.raises(ConnectionError):
+        storage.retry_transient(down, "reading", minutes=1.0, clock=clock, sleep=clock.sleep)
+    gaps = [b - a for a, b in zip(calls, calls[1:])]
+    assert gaps == sorted(gaps) and gaps[0] == 0.5 and max(gaps) <= 30  # exponential, capped
+    assert calls[-1] <= 60  # never past the limit
+
+    attempts = iter([ConnectionError("blip"), TimeoutError("slow"), "ok"])
+
+    def flaky():
+        outcome = next(attempts)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    assert storage.retry_transient(flaky, "reading", minutes=1.0, clock=clock, sleep=clock.sleep) == "ok"
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError("no bucket"), PermissionError("denied")])
+def test_permanent_failures_are_not_retried(error):
+    calls = []
+
+    def fail():
+        calls.append(1)
+        raise error
+
+    with pytest.raises(type(error)):
+        storage.retry_transient(fail, "reading", minutes=10.0, sleep=lambda s: None)
+    assert len(calls) == 1
+
+
+# ---- the background saver --------------------------------------------------------------------
+class FlakyStore(SnapshotStore):
+    """A local store whose saves fail while `down` is set."""
+
+    def __init__(self, path):
+        super().__init__(path, keep_last=2)
+        self.down = threading.Event()
+        self.attempts = 0
+
+    def save(self, blob, step):
+        self.attempts += 1
+        if self.down.is_set():
+            raise ConnectionError(f"Could not connect to the endpoint URL: {self.url}")
+        return super().save(blob, step)
+
+
+def test_saver_retries_a_failed_write_in_the_background_until_it_lands(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([0.05] * 1000))
+    store = FlakyStore(str(tmp_path / "snapshot.pt"))
+    saver = BackgroundSaver(store, retry_minutes=5)
+    store.down.set()
+    with caplog.at_level(logging.WARNING):
+        saver.submit(state(7), 7)
+        deadline = time.monotonic() + 30
+        while store.attempts < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not saver.failed and saver.error is None
+        store.down.clear()
+        assert saver.wait() is None
+    assert decode((tmp_path / "snapshot.pt").read_bytes())["train_state"]["step"] == 7
+    assert f"saving snapshot {tmp_path}/snapshot.step000000007.pt failed (ConnectionError: Could not connect" in caplog.text
+
+
+def test_saver_reports_failure_past_the_limit_and_a_success_resets_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([0.01] * 100000))
+    clock = FakeClock()
+    store = FlakyStore(str(tmp_path / "snapshot.pt"))
+    saver = BackgroundSaver(store, retry_minutes=1, clock=clock)
+    store.down.set()
+    saver.submit(state(1), 1)
+    while store.attempts < 2:
+        time.sleep(0.01)
+    assert not saver.failed
+    clock.now += 61
+    error = saver.wait()
+    assert saver.failed and error.startswith(f"saving snapshots to {store.url} has failed for 1.0 minutes")
+    assert "trainer.save_retry_minutes=1" in error and "Newest snapshot saved by this run: none" in error
+    store.down.clear()
+    saver.submit(state(2), 2)
+    assert saver.wait() is None and not saver.failed
+
+
+def test_a_newer_snapshot_replaces_one_waiting_to_be_retried(tmp_path, monkeypatch):
+    monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([3600.0] * 10))
+    store = FlakyStore(str(tmp_path / "snapshot.pt"))
+    saver = BackgroundSaver(store, retry_minutes=120)
+    store.down.set()
+    saver.submit(state(1), 1)
+    while store.attempts < 1:
+        time.sleep(0.01)
+    store.down.clear()
+    start = time.monotonic()
+    saver.submit(state(2), 2)  # does not sit out the hour-long backoff of step 1
+    assert saver.wait() is None and time.monotonic() - start < 30
+    assert sorted(p.name for p in tmp_path.glob("snapshot*.pt")) == ["snapshot.pt", "snapshot.step000000002.pt"]
+
+
+# ---- the snapshot store and the data cache on real S3 servers -------------------------------
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3(request):
+    server = request.getfixturevalue("moto_s3" if request.param == "moto" else "seaweedfs")
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(bucket)
+    return server, bucket
+
+
+def test_s3_store_keeps_last_k_and_finds_the_newest_by_step(s3):
+    server, bucket = s3
+    store = SnapshotStore(f"s3://{bucket}/runs/exp1/snapshot.pt", keep_last=2, storage_options=s3_options(server))
+    store.check_writable()
+    for step in (5, 10, 100, 20):  # out of order on purpose: newest means highest step
+        store.save(encode(state(step), step), step)
+    names = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(f"{bucket}/runs/exp1"))
+    assert names == ["snapshot.pt", "snapshot.step000000020.pt", "snapshot.step000000100.pt"]
+    loaded, where = store.load_latest()
+    assert loaded["train_state"]["step"] == 100 and where == f"s3://{bucket}/runs/exp1/snapshot.step000000100.pt"
+
+
+def test_s3_listing_cache_never_hides_what_another_process_wrote(s3):
+    """Two filesystem instances stand for two processes: the reader listed before the
+    writer saved, and must still see the new snapshot (fsspec caches listings)."""
+    server, bucket = s3
+    url = f"s3://{bucket}/run/snapshot.pt"
+    writer = SnapshotStore(url, storage_options={**s3_options(server), "skip_instance_cache": True})
+    reader = SnapshotStore(url, storage_options={**s3_options(server), "skip_instance_cache": True})
+    writer.save(encode(state(1), 1), 1)
+    assert reader.load_latest()[0]["train_state"]["step"] == 1
+    writer.save(encode(state(2), 2), 2)
+    loaded, where = reader.load_latest()
+    assert loaded["train_state"]["step"] == 2 and where.endswith("snapshot.step000000002.pt")
+    assert [p.rsplit("/", 1)[-1] for p in reader.candidates()] == [
+        "snapshot.step000000002.pt", "snapshot.pt", "snapshot.step000000001.pt"]
+
+
+def test_a_truncated_object_is_skipped_on_s3(s3):
+    server, bucket = s3
+    store = SnapshotStore(f"s3://{bucket}/r/snapshot.pt", keep_last=5, storage_options=s3_options(server))
+    for step in (1, 2):
+        store.save(encode(state(step), step), step)
+    blob = encode(state(3), 3)
+    store.fs.pipe_file(f"{bucket}/r/snapshot.step000000003.pt", blob[: len(blob) // 2])
+    loaded, where = store.load_latest()
+    assert loaded["train_state"]["step"] == 2 and where.endswith("snapshot.step000000002.pt")
+
+
+def test_a_missing_bucket_is_an_error_and_is_not_created(moto_s3):
+    options = s3_options(moto_s3)
+    store = SnapshotStore("s3://no-such-bucket-mingpt/run/snapshot.pt", storage_options=options)
+    with pytest.raises(ConfigError, match="cannot write snapshots to s3://no-such-bucket-mingpt/run/snapshot.pt"
+                                          r".*bucket or container does not exist"):
+        store.check_writable()
+    assert "no-such-bucket-mingpt" not in [b["Name"] for b in moto_s3.client().list_buckets()["Buckets"]]
+
+
+def test_read_only_credentials_fail_the_write_check(seaweedfs):
+    bucket = f"ro-{uuid.uuid4().hex[:12]}"
+    seaweedfs.make_bucket(bucket)
+    options = {**s3_options(seaweedfs), "key": READER_ACCESS_KEY, "secret": READER_SECRET_KEY}
+    store = SnapshotStore(f"s3://{bucket}/run/snapshot.pt", storage_options=options)
+    with pytest.raises(ConfigError, match="cannot write snapshots.*access denied.*credentials"):
+        store.check_writable()
+    assert store.load_latest() is None  # but reading works
+
+
+def test_an_unreachable_store_is_a_clear_error_after_bounded_retries():
+    port = free_ports(1)[0]  # nothing listens there
+    options = {"key": "k", "secret": "s" * 8, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
+               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    store = SnapshotStore("s3://bucket/run/snapshot.pt", storage_options=options, retry_minutes=0.05)
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=r"cannot read snapshots at s3://bucket/run/snapshot.pt "
+                                          r"\(EndpointConnectionError.*load_retry_minutes=0.05"):
+        store.load_latest()
+    assert time.monotonic() - start < 30
+
+
+def test_remote_data_is_copied_to_the_node_cache_once_and_again_when_it_changes(s3, tmp_path, caplog):
+    server, bucket = s3
+    options = s3_options(server)
+    url = f"s3://{bucket}/corpora/text.txt"
+    fs, _ = storage.filesystem(url, options)
+    fs.pipe_file(f"{bucket}/corpora/text.txt", b"first version\n")
+    local = local_copy_path(url, str(tmp_path / "cache"))
+    assert local.startswith(str(tmp_path / "cache")) and local.endswith("-text.txt")
+    with caplog.at_level(logging.INFO):
+        ensure_local_copy(url, None, options, str(tmp_path / "cache"))
+        ensure_local_copy(url, None, options, str(tmp_path / "cache"))
+    assert open(local).read() == "first version\n"
+    assert caplog.text.count("copying to this node's cache") == 1 and "using this node's cached copy" in caplog.text
+    fs.pipe_file(f"{bucket}/corpora/text.txt", b"second, longer version\n")
+    ensure_local_copy(url, None, options, str(tmp_path / "cache"))
+    assert open(local).read() == "second, longer version\n"
+    with pytest.raises(ConfigError, match=f"data file not found: s3://{bucket}/corpora/nope.txt"):
+        ensure_local_copy(f"s3://{bucket}/corpora/nope.txt", None, options, str(tmp_path / "cache"))
+    assert sorted(os.listdir(tmp_path / "cache")) == sorted([os.path.basename(local), os.path.basename(local) + ".source"])
