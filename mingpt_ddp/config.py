@@ -30,7 +30,7 @@ class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
-    auto = "auto"  # bf16 on GPUs that support it, else fp16 on GPU; fp32 on CPU
+    auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU bf16 with AMX, else fp32
 
 
 @dataclass
@@ -86,6 +86,8 @@ class TrainerConfig:
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger, fewer all-reduces; smaller, earlier overlap
+    ddp_static_graph: bool = False  # DDP static_graph: the same parameters are used every step (true here)
     # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
     storage_options: Dict[str, Any] = field(default_factory=dict)
     # Saving may keep failing (retried in the background) this long before the run stops.
@@ -190,6 +192,7 @@ def validate(cfg: Any) -> None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
     if t.snapshot_every_minutes is not None:
         _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
+    _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     if not 0 < t.save_retry_minutes <= MAX_SAVE_RETRY_MINUTES:

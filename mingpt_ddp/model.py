@@ -25,6 +25,28 @@ class GPTConfig:
     dropout: float = 0.0
 
 
+# Up to this many positions, CPU bf16 attention is computed as explicit matrix products
+# (see causal_attention); longer sequences use PyTorch's flash-attention kernel.
+CPU_BF16_EXPLICIT_ATTENTION_MAX_T = 128
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal mask) v as two batched matmuls and an fp32 softmax.
+
+    The same function as scaled_dot_product_attention(is_causal=True). Used for bf16 on
+    CPUs with short sequences: there PyTorch's CPU flash-attention backward is 2-5x
+    slower than these matmuls (AMX) plus the T x T softmax (torch 2.13, T <= 128); from
+    about 256 positions on, the flash kernel is faster and never stores T x T scores.
+    """
+    T = q.size(-2)
+    scores = (q * (1.0 / math.sqrt(q.size(-1)))) @ k.transpose(-2, -1)
+    mask = torch.full((T, T), float("-inf"), device=q.device).triu_(1)  # -inf above the diagonal: the future
+    probs = F.softmax(scores.float() + mask, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return probs.to(q.dtype) @ v
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -38,10 +60,11 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        # is_causal=True masks every future position (a boolean mask, not an additive one).
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        dropout_p = self.dropout if self.training else 0.0
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16 and T <= CPU_BF16_EXPLICIT_ATTENTION_MAX_T:
+            y = causal_attention(q, k, v, dropout_p)
+        else:  # is_causal=True masks every future position (a boolean mask, not an additive one)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.proj(y))
 

@@ -34,14 +34,28 @@ class PrecisionPlan:
         return torch.amp.GradScaler(self.device_type, enabled=self.uses_scaler)
 
 
+def gpu_has_native_bf16(device: torch.device) -> bool:
+    """Ampere (sm_80) and newer, and ROCm GPUs. torch.cuda.is_bf16_supported() also says
+    yes for older GPUs that only emulate bf16, slowly (V100, T4): those get fp16."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def cpu_has_fast_bf16() -> bool:
+    """AMX (Intel Xeon Sapphire Rapids and later) multiplies bf16 matrices several times
+    faster than fp32. Without it (AVX512-BF16 alone, AVX2, most Arm) bf16 autocast gains
+    little or loses to the casts it adds, so `auto` keeps fp32 there."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx())
+
+
 def resolve(requested: Precision | str, device: torch.device) -> PrecisionPlan:
-    """`auto`: bf16 on GPUs that support it, else fp16 on GPU; fp32 on CPU."""
+    """`auto`: bf16 on GPUs with native bf16, else fp16 on GPU; bf16 on CPUs with AMX, else fp32."""
     name = requested.value if isinstance(requested, Precision) else str(requested)
     if name == "auto":
         if device.type == "cuda":
-            name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+            name = "bf16" if gpu_has_native_bf16(device) else "fp16"
         else:
-            name = "fp32"
+            name = "bf16" if cpu_has_fast_bf16() else "fp32"
     if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support: use fp16 or auto")
     return PrecisionPlan(name, device.type)

@@ -14,7 +14,7 @@ import random
 import signal
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -103,14 +103,27 @@ class Trainer:
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
         self.precision = precision.resolve(cfg.precision, self.device)
+        if self.device.type == "cuda":
+            # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
+            # fp32's range with a 10-bit mantissa, the usual trade for training.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.optimizer = model.configure_optimizer(
             optim_cfg.lr, optim_cfg.weight_decay, tuple(optim_cfg.betas), self.device.type
         )
         self.scaler = self.precision.grad_scaler()
         use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
         self.forward_model = torch.compile(self.model) if use_compile else self.model
+        # Inside DDP's forward, torch.compile splits the graph at DDP's bucket boundaries
+        # (DDPOptimizer), so the all-reduces still overlap the backward pass.
         self.ddp_model = (
-            DDP(self.forward_model, device_ids=[dist.local_rank] if self.device.type == "cuda" else None)
+            DDP(
+                self.forward_model,
+                device_ids=[dist.local_rank] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
+                bucket_cap_mb=cfg.ddp_bucket_cap_mb,
+                static_graph=cfg.ddp_static_graph,
+            )
             if dist.is_distributed
             else self.forward_model
         )
@@ -130,6 +143,8 @@ class Trainer:
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
+        # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
+        self.step_callbacks: list[Callable[["Trainer"], None]] = []
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -222,7 +237,7 @@ class Trainer:
             self.saver.submit(to_cpu(state), self.state.step)
 
     # ---- the loop --------------------------------------------------------------------
-    def _step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
         """This rank's micro-batches of the current epoch, grouped per optimizer step,
         starting where the run left off."""
         epoch = self.state.epoch
@@ -326,12 +341,14 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps, window_start = 0, time.perf_counter()
         while not self.finished:
-            for micro_batches in self._step_batches():
+            for micro_batches in self.step_batches():
                 window_loss += self._optimizer_step(micro_batches)
                 window_steps += 1
                 self.state.step += 1
                 self.state.epoch_position += self.global_batch
                 self.state.tokens_seen += self.global_batch * self.block_size
+                for callback in self.step_callbacks:
+                    callback(self)
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 if self.state.step % self.cfg.log_every == 0:
                     self._log_train(window_loss, window_steps, time.perf_counter() - window_start)

@@ -51,3 +51,33 @@ def test_flops_per_token_is_6n_plus_attention_term():
     n = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     assert model.num_params() == n
     assert model.flops_per_token(16) == 6 * n + 12 * 2 * 16 * 16
+
+
+def test_explicit_causal_attention_equals_sdpa_in_values_and_gradients():
+    """The CPU bf16 fast path computes the same function as scaled_dot_product_attention."""
+    import torch.nn.functional as F
+
+    from mingpt_ddp.model import causal_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 20, 8, requires_grad=True) for _ in range(3))
+    g = torch.randn(2, 3, 20, 8)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = causal_attention(q, k, v)
+    assert torch.allclose(out, ref, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(ref, (q, k, v), g), torch.autograd.grad(out, (q, k, v), g)):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_bf16_autocast_on_cpu_is_causal_and_close_to_fp32():
+    """Under CPU bf16 autocast short sequences take the explicit-attention path."""
+    model = tiny()
+    idx = torch.randint(11, (2, 16))
+    changed = idx.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 11
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, loss = model(idx, idx)
+        logits2, _ = model(changed)
+    assert torch.equal(logits[:, :9], logits2[:, :9])
+    assert not torch.equal(logits[:, 9:], logits2[:, 9:])
+    assert abs(loss.item() - model(idx, idx)[1].item()) < 0.05

@@ -30,7 +30,7 @@ def text(shakespeare):
 
 
 def first_batch(trainer):
-    return next(trainer._step_batches())
+    return next(trainer.step_batches())
 
 
 def grad_norm_seen_by_optimizer(trainer):

@@ -1,0 +1,591 @@
+"""Benchmarks of this machine and of this trainer's real code paths.
+
+    python -m mingpt_ddp.bench peak                                   # matmul peak per dtype
+    python -m mingpt_ddp.bench train model=gpt-micro data.block_size=64 trainer.batch_size=12
+    python -m mingpt_ddp.bench data data.block_size=256 trainer.batch_size=16
+    python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
+    torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
+
+Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
+`bench-<mode>.json`; `out=none` writes nothing). Arguments are `key=value`: the bench's own
+options below, and otherwise Hydra overrides of the training config (`model=...`,
+`data.*`, `trainer.*`, `optimizer.*`, `experiment=...`), composed from conf/ as main.py does.
+
+  all:      out=PATH  wait_quiet=SECONDS (CPU: first wait up to this long for other
+            processes to leave the cores idle; the JSON records how busy they were anyway)
+  peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
+  train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
+  data:     steps=2000 (optimizer steps' worth of batches)
+  snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
+  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
+
+`train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
+measures the loop a real run executes: data, autocast, DDP, clipping, optimizer, logging.
+MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
+processes / (measured matmul peak for the precision in use x processes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as torch_dist
+
+from mingpt_ddp import config, distributed
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
+
+MODES = ("peak", "train", "data", "snapshot", "comm")
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+# The bench's own options (keys without a dot); everything else goes to Hydra.
+OPTIONS: dict[str, Any] = {
+    "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
+    "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None,
+}
+
+
+# ---- arguments and config -------------------------------------------------------------
+def parse_args(argv: list[str]) -> tuple[str, dict[str, Any], list[str]]:
+    """(mode, bench options, Hydra overrides) from `mode key=value ...`."""
+    if not argv or argv[0] not in MODES:
+        raise ConfigError(f"usage: python -m mingpt_ddp.bench <{'|'.join(MODES)}> [key=value ...] (see --help)")
+    options, overrides = dict(OPTIONS), []
+    for arg in argv[1:]:
+        key, eq, value = arg.partition("=")
+        if eq and key in OPTIONS:
+            options[key] = value
+        else:
+            overrides.append(arg)
+    return argv[0], options, overrides
+
+
+def parse_bytes(text: str) -> int:
+    """'8', '64KB', '256MB', '1GB' (powers of 1024, as nccl-tests' -b/-e)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)B?\s*", str(text).upper())
+    if not m:
+        raise ConfigError(f"not a size: {text!r} (e.g. 8, 64KB, 256MB)")
+    return int(m[1]) * 1024 ** "_KMG".index(m[2] or "_")
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="bench"):
+        cfg = hydra_compose("config", overrides=overrides)
+    config.validate(cfg)
+    return cfg
+
+
+def build_trainer(cfg, dist, saver=None):
+    """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
+    from omegaconf import OmegaConf
+
+    from mingpt_ddp import storage
+    from mingpt_ddp.main import load_corpus
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.trainer import Trainer, seed_everything
+
+    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    model_cfg = GPTConfig(vocab_size=corpus.vocab.size, block_size=cfg.data.block_size,
+                          **OmegaConf.to_container(cfg.model))
+    seed_everything(cfg.trainer.seed)
+    model = GPT(model_cfg)
+    seed_everything(cfg.trainer.seed + dist.rank)
+    metadata = {"vocab": corpus.vocab.chars, "model_config": dict(vars(model_cfg)),
+                "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))}
+    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist,
+                   MetricsLog(None, enabled=False, total_steps=0), saver, metadata)
+
+
+def bench_run_settings(cfg, total_steps: int) -> None:
+    """Run exactly `total_steps` optimizer steps, with evaluation and saving out of the way."""
+    t = cfg.trainer
+    t.max_steps = total_steps
+    t.eval_every = 10**9
+    t.eval_batches = 1
+    t.save_every = 10**9
+    t.snapshot_every_steps = None
+    t.snapshot_every_minutes = None
+    # Enough epochs for the steps, without making the planner walk millions of epochs.
+    windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.exists(cfg.data.path) else 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_epoch = max(1, int(windows * 0.85) // (t.batch_size * t.grad_accum_steps * world))
+    t.max_epochs = total_steps // per_epoch + 2
+
+
+# ---- machine facts and noise ----------------------------------------------------------
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def cpu_features() -> dict[str, Any]:
+    return {
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "amx_bf16": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
+        "avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    }
+
+
+def _busy_jiffies() -> Optional[tuple[int, int]]:
+    try:
+        fields = [int(v) for v in open("/proc/stat").readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def _own_cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+class CpuNoise:
+    """How busy other processes kept this node's cores while we measured (0..1).
+
+    Busy time from /proc/stat minus the CPU time of this job's processes (summed over
+    the ranks when they all run on this node). Only a sign of how noisy a figure is.
+    """
+
+    def __init__(self, dist):
+        self.dist = dist
+        self.start = _busy_jiffies()
+        self.own = _own_cpu_seconds()
+
+    def fraction(self) -> Optional[float]:
+        end, own = _busy_jiffies(), _own_cpu_seconds() - self.own
+        total_own = distributed.all_reduce_sum(torch.tensor([own], dtype=torch.float64, device=self.dist.device)).item()
+        if self.start is None or end is None or self.dist.world_size != self.dist.local_world_size:
+            return None
+        hz = os.sysconf("SC_CLK_TCK")
+        busy, total = (end[0] - self.start[0]) / hz, (end[1] - self.start[1]) / hz
+        return round(max(0.0, min(1.0, (busy - total_own) / total)), 3) if total > 0 else None
+
+
+def wait_until_quiet(max_seconds: float, dist, threshold: float = 0.15) -> Optional[float]:
+    """Wait (up to max_seconds) until other processes use under `threshold` of the cores."""
+    if max_seconds <= 0 or dist.device.type != "cpu":
+        return None
+    deadline, busy = time.monotonic() + max_seconds, None
+    while time.monotonic() < deadline:
+        probe = CpuNoise(dist)
+        time.sleep(1.0)
+        busy = probe.fraction()
+        agreed = distributed.broadcast_object(busy)
+        if agreed is None or agreed < threshold:
+            return agreed
+    return busy
+
+
+def all_ranks_max(value: float, device: torch.device) -> float:
+    """The largest `value` over all ranks (a tensor on the device: NCCL reduces only GPU tensors)."""
+    return distributed.all_reduce_max(torch.tensor([value], dtype=torch.float64, device=device)).item()
+
+
+def peak_rss_bytes() -> int:
+    """Max resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+
+
+def environment(dist) -> dict[str, Any]:
+    env = {
+        "device": str(dist.device), "device_name": device_name(dist.device), "backend": dist.backend,
+        "world_size": dist.world_size, "local_world_size": dist.local_world_size,
+        "threads_per_process": torch.get_num_threads(), "torch": torch.__version__,
+        "python": platform.python_version(), "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if dist.device.type == "cpu":
+        env["cpu"] = cpu_features()
+    return env
+
+
+# ---- output -----------------------------------------------------------------------------
+def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+        if isinstance(v, int) and not isinstance(v, bool):
+            return f"{v:,}"
+        return "-" if v is None else str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    print(f"# {title}")
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    sys.stdout.flush()
+
+
+def write_json(path: Optional[str], mode: str, result: dict[str, Any]) -> None:
+    target = path if path is not None else f"bench-{mode}.json"
+    if target.lower() in ("none", "null", "-", ""):
+        return
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"wrote {target}")
+
+
+# ---- modes ------------------------------------------------------------------------------
+DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run_peak(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Dense matmul TFLOP/s per dtype and size: the rooflines MFU is quoted against."""
+    device = dist.device
+    sizes = [int(s) for s in str(options["sizes"]).split(",")] if options["sizes"] else list(default_peak_sizes(device))
+    names = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
+    seconds = float(options["seconds"])
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+    rows, best = [], {}
+    tf32_before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for name in names:
+            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+            for n in sizes:
+                rate = matmul_flops(device, DTYPES[name], n, seconds)
+                rows.append({"dtype": name, "n": n, "tflops": rate / 1e12})
+                best[name] = max(best.get(name, 0.0), rate / 1e12)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32_before
+    return {"rows": rows, "peak_tflops": best, "other_cpu_busy": noise.fraction()}
+
+
+def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    cfg = compose(overrides)
+    steps, warmup = int(options["steps"] or 20), int(options["warmup"])
+    if steps < 1 or warmup < 0:
+        raise ConfigError("steps must be >= 1 and warmup >= 0")
+    bench_run_settings(cfg, warmup + steps)
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    trainer = build_trainer(cfg, dist)
+    device = trainer.device
+    marks: list[float] = []
+    noise: list[CpuNoise] = []
+
+    def on_step(t) -> None:
+        if t.state.step == warmup or t.state.step == warmup + steps:
+            sync(device)  # GPU work is asynchronous: only time what has finished
+        if t.state.step == warmup:
+            noise.append(CpuNoise(dist))
+        marks.append(time.perf_counter())
+
+    if not hasattr(trainer, "step_callbacks"):
+        raise ConfigError("this Trainer has no step_callbacks (issue 7's trainer.py change): cannot time steps")
+    trainer.step_callbacks.append(on_step)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if warmup == 0:
+        sync(device)
+        noise.append(CpuNoise(dist))
+        marks.append(time.perf_counter())
+    trainer.fit()
+    timed = marks[-(steps + 1):]
+    elapsed = timed[-1] - timed[0]
+    step_s = [b - a for a, b in zip(timed, timed[1:])]
+    slowest = all_ranks_max(elapsed, device)
+    tokens = steps * trainer.global_batch * trainer.block_size
+    tokens_per_s = tokens / slowest
+    memory = all_ranks_max(float(peak_memory_bytes(device)), device)
+    return {
+        "model": {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "dropout")},
+        "parameters": trainer.model.num_params(non_embedding=False),
+        "block_size": trainer.block_size,
+        "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
+        "global_batch": trainer.global_batch, "precision": trainer.precision.name,
+        "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
+        "steps": steps, "warmup": warmup,
+        "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
+        "ms_per_step": 1e3 * slowest / steps,
+        # per-step times only mean something where the host waits for the device (CPU)
+        "ms_per_step_median": 1e3 * statistics.median(step_s) if device.type == "cpu" else None,
+        # on a shared machine other jobs slow some steps down: the fastest stretch of
+        # consecutive steps (a fifth of them) shows what the machine does undisturbed
+        "ms_per_step_best_window": 1e3 * best_window(step_s) if device.type == "cpu" else None,
+        "tokens_per_s_best_window": tokens / steps / best_window(step_s) if device.type == "cpu" else None,
+        "flops_per_token": trainer.flops_per_token,
+        "peak_flops_per_process": trainer.peak_flops,
+        "mfu": mfu(trainer.flops_per_token, tokens_per_s, trainer.peak_flops, dist.world_size),
+        "peak_memory_bytes": int(memory),
+        "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
+        "other_cpu_busy": noise[0].fraction() if noise else None,
+    }
+
+
+def best_window(step_s: list[float]) -> float:
+    """Mean step time of the fastest run of len/5 consecutive steps (at least 1)."""
+    k = max(1, len(step_s) // 5)
+    return min(sum(step_s[i:i + k]) / k for i in range(len(step_s) - k + 1))
+
+
+def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """The trainer's own batch building (sampler order, window gather, host-to-device copy)."""
+    cfg = compose(overrides)
+    steps = int(options["steps"] or 2000)
+    bench_run_settings(cfg, steps)
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    trainer = build_trainer(cfg, dist)
+    device = trainer.device
+    noise = CpuNoise(dist)
+    if not hasattr(trainer, "step_batches"):
+        raise ConfigError("this Trainer has no public step_batches() (issue 7's trainer.py change)")
+    start = time.perf_counter()
+    batches = trainer.step_batches()
+    first = next(batches)
+    sync(device)
+    first_s = time.perf_counter() - start
+    done, samples = 1, sum(len(x) for x, _ in first)
+    while done < steps:
+        try:
+            group = next(batches)
+        except StopIteration:  # end of the epoch: the next one starts over
+            batches = trainer.step_batches()
+            continue
+        samples += sum(len(x) for x, _ in group)
+        done += 1
+    sync(device)
+    elapsed = time.perf_counter() - start
+    slowest = all_ranks_max(elapsed, device)
+    per_rank = samples / slowest
+    return {
+        "block_size": trainer.block_size, "batch_size": trainer.micro_batch,
+        "grad_accum_steps": trainer.accum_steps, "steps": steps,
+        "samples_per_s": per_rank * dist.world_size, "samples_per_s_per_process": per_rank,
+        "tokens_per_s": per_rank * dist.world_size * trainer.block_size,
+        "us_per_step_batch": 1e6 * slowest / steps,
+        "epoch_start_ms": 1e3 * first_s,
+        "other_cpu_busy": noise.fraction(),
+    }
+
+
+def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Save/load times of one snapshot of this config, and what a save blocks training for."""
+    from mingpt_ddp import storage
+    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, decode, encode, to_cpu
+
+    cfg = compose(overrides)
+    repeat = max(1, int(options["repeat"]))
+    bench_run_settings(cfg, 1)
+    own_dir = None
+    url = options["url"]
+    if not url:
+        own_dir = distributed.broadcast_object(tempfile.mkdtemp(prefix="mingpt-bench-") if dist.is_main else None)
+        url = own_dir
+    path = url if url.endswith(".pt") else url.rstrip("/") + "/bench-snapshot.pt"
+    store_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
+    store = SnapshotStore(path, keep_last=1, storage_options=store_options,
+                          retry_minutes=cfg.trainer.load_retry_minutes)
+    distributed.on_main_then_share(store.check_writable, dist)
+    trainer = build_trainer(cfg, dist)
+    trainer.fit()  # one optimizer step: the optimizer state exists, as in any real snapshot
+    saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+    rows: list[dict[str, float]] = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        state = trainer.state_dict()  # what Trainer.save does before handing over to the writer
+        t1 = time.perf_counter()
+        on_cpu = to_cpu(state)
+        if saver is not None:
+            saver.submit(on_cpu, trainer.state.step)
+        t2 = time.perf_counter()
+        error = saver.wait() if saver is not None else None
+        t3 = time.perf_counter()
+        if distributed.broadcast_object(error):
+            raise ConfigError(error or "saving the snapshot failed")
+        row = {"state_dict_s": t1 - t0, "copy_to_cpu_s": t2 - t1, "blocking_s": t2 - t0,
+               "background_write_s": t3 - t2}
+        if dist.is_main:
+            t4 = time.perf_counter()
+            blob = encode(on_cpu, trainer.state.step)
+            t5 = time.perf_counter()
+            written = store.save(blob, trainer.state.step)
+            t6 = time.perf_counter()
+            raw = store.fs.cat_file(store.step_path(trainer.state.step))
+            t7 = time.perf_counter()
+            decode(raw, written)
+            t8 = time.perf_counter()
+            loaded = store.load_latest()
+            t9 = time.perf_counter()
+            assert loaded is not None
+            row.update(encode_s=t5 - t4, write_s=t6 - t5, save_s=t6 - t4, read_s=t7 - t6, decode_s=t8 - t7,
+                       load_s=t9 - t8, bytes=len(blob))
+        rows.append(row)
+        distributed.barrier()
+    if dist.is_main:
+        for p in store.candidates():
+            store.fs.rm(p)
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
+    best = {k: min(r[k] for r in rows) for k in rows[0]}
+    return {"url": path, "parameters": trainer.model.num_params(non_embedding=False), "repeat": repeat,
+            "best": best, "runs": rows, "other_cpu_busy": noise.fraction()}
+
+
+def comm_iters(size: int) -> int:
+    return 100 if size <= 1 << 16 else 50 if size <= 1 << 20 else 20 if size <= 1 << 26 else 5
+
+
+def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it."""
+    if overrides:
+        raise ConfigError(f"comm takes no config overrides: {overrides}")
+    own_group = not torch_dist.is_initialized()
+    if own_group:  # one process: a group of one still measures the call's own cost
+        torch_dist.init_process_group(dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+    n = torch_dist.get_world_size()
+    lo, hi = parse_bytes(options["min_bytes"]), parse_bytes(options["max_bytes"])
+    warmup = int(options["warmup"])
+    sizes, s = [], max(4, lo)
+    while s <= hi:
+        sizes.append(s)
+        s *= 2
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+    rows = []
+    for size in sizes:
+        count = max(1, size // 4)
+        iters = int(options["iters"] or comm_iters(size))
+        buf = torch.ones(count, dtype=torch.float32, device=dist.device)
+        for _ in range(warmup):
+            torch_dist.all_reduce(buf)
+        sync(dist.device)
+        torch_dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch_dist.all_reduce(buf)
+        sync(dist.device)
+        seconds = (time.perf_counter() - start) / iters
+        seconds = all_ranks_max(seconds, dist.device) if not own_group else seconds
+        buf.fill_(torch_dist.get_rank() + 1)  # check the sum, as nccl-tests counts #wrong
+        torch_dist.all_reduce(buf)
+        wrong = int((buf != n * (n + 1) / 2).sum().item())
+        algbw = count * 4 / seconds / 1e9
+        rows.append({"size": count * 4, "count": count, "type": "float", "redop": "sum", "time_us": seconds * 1e6,
+                     "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong})
+    if own_group:
+        torch_dist.destroy_process_group()
+    return {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
+            "other_cpu_busy": noise.fraction()}
+
+
+RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
+}
+
+
+def report(mode: str, result: dict[str, Any]) -> None:
+    """The human table for one mode's result."""
+    env = result["env"]
+    where = (f"{env['device_name']} | {env['world_size']} process(es) x {env['threads_per_process']} thread(s) | "
+             f"torch {env['torch']} | {env['backend']}")
+    busy = result.get("other_cpu_busy")
+    noise = f" | other processes kept {100 * busy:.0f}% of the cores busy" if busy is not None else ""
+    if mode == "peak":
+        print_table(f"matmul peak: {where}{noise}", ["dtype", "n", "TFLOP/s"],
+                    [[r["dtype"], r["n"], r["tflops"]] for r in result["rows"]])
+        print("best: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in result["peak_tflops"].items()))
+    elif mode == "train":
+        m = result["model"]
+        print_table(
+            f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
+            f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
+            f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
+            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU %", "FLOP/token",
+             "peak TFLOP/s", "peak mem MiB"],
+            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
+              result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
+              result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
+              result["peak_memory_bytes"] / 2**20]],
+        )
+        best = result["tokens_per_s_best_window"]
+        if best:
+            print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
+                  f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+    elif mode == "data":
+        print_table(
+            f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "
+            f"{result['steps']} step batches: {where}{noise}",
+            ["samples/s", "samples/s/proc", "tokens/s", "us/step batch", "epoch start ms"],
+            [[result["samples_per_s"], result["samples_per_s_per_process"], result["tokens_per_s"],
+              result["us_per_step_batch"], result["epoch_start_ms"]]],
+        )
+    elif mode == "snapshot":
+        b = result["best"]
+        print_table(
+            f"snapshot: {result['parameters']:,} parameters -> {result['url']} (best of {result['repeat']}): {where}{noise}",
+            ["MB", "blocks training s", "state_dict s", "copy to CPU s", "background write s", "encode s",
+             "write s", "save s", "read s", "decode s", "load_latest s"],
+            [[b.get("bytes", 0) / 1e6, b["blocking_s"], b["state_dict_s"], b["copy_to_cpu_s"],
+              b["background_write_s"], b.get("encode_s"), b.get("write_s"), b.get("save_s"), b.get("read_s"),
+              b.get("decode_s"), b.get("load_s")]],
+        )
+    elif mode == "comm":
+        print_table(
+            f"all_reduce (in place, float sum) over {result['ranks']} rank(s): {where}{noise}",
+            ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"],
+            [[r["size"], r["count"], r["type"], r["redop"], r["time_us"], r["algbw_GBps"], r["busbw_GBps"],
+              r["wrong"]] for r in result["rows"]],
+        )
+        print(f"# Avg bus bandwidth: {result['avg_busbw_GBps']:.3f} GB/s")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    try:
+        mode, options, overrides = parse_args(argv)
+        dist = distributed.setup()
+        result = RUNNERS[mode](dist, options, overrides)
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
+    result = {"mode": mode, "env": environment(dist), "options": {k: v for k, v in options.items() if v is not None},
+              "overrides": overrides, **result}
+    if dist.is_main:
+        report(mode, result)
+        write_json(options["out"], mode, result)
+    distributed.barrier()  # no rank leaves (and closes its connections) while another still reports
+    distributed.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

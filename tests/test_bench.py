@@ -1,0 +1,149 @@
+"""`python -m mingpt_ddp.bench`: each mode's table and JSON, comm under torchrun, the MFU formula.
+
+Tiny sizes only, and no assertions on speed: the figures depend on the machine and on
+whatever else runs on it.
+"""
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, TORCHRUN
+from mingpt_ddp import bench
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import mfu
+from mingpt_ddp.model import GPT, GPTConfig
+
+TINY_TRAIN = ["model=gpt-nano", "data.block_size=32", "trainer.batch_size=4", "trainer.precision=fp32"]
+
+
+def run_bench(args, tmp_path, nproc=0, timeout=120):
+    out = tmp_path / "bench.json"
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "-m", "mingpt_ddp.bench"] if nproc else \
+        [PYTHON, "-m", "mingpt_ddp.bench"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*cmd, *args, f"out={out}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def table(stdout):
+    """The header and rows of the printed table (lines after the '# title' line)."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("# ")) + 1
+    rows = []
+    for line in lines[start:]:
+        if line.startswith(("#", "wrote", "best")):
+            break
+        rows.append(line)
+    return rows[0], rows[1:]
+
+
+def n_params_by_formula(n_layer, n_embd, vocab):
+    """Parameters without position embeddings, counted by hand: per block two LayerNorms
+    (4d), qkv (3d^2+3d), attention out (d^2+d), MLP (4d^2+4d and 4d^2+d); then the tied
+    token embedding / head (V*d) and the final LayerNorm (2d)."""
+    d = n_embd
+    return n_layer * (12 * d * d + 13 * d) + vocab * d + 2 * d
+
+
+def test_flops_per_token_is_6n_plus_12_l_t_d():
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    n = n_params_by_formula(4, 128, 65)
+    assert model.num_params() == n
+    assert model.flops_per_token(64) == 6 * n + 12 * 4 * 64 * 128
+
+
+def test_mfu_is_model_flops_over_the_peak_of_all_processes():
+    assert mfu(1e6, 1000.0, 1e10, 1) == pytest.approx(0.1)
+    assert mfu(1e6, 1000.0, 1e10, 2) == pytest.approx(0.05)
+
+
+def test_arguments_split_into_bench_options_and_hydra_overrides():
+    mode, options, overrides = bench.parse_args(["train", "steps=7", "model=gpt-nano", "trainer.batch_size=3"])
+    assert mode == "train" and options["steps"] == "7"
+    assert overrides == ["model=gpt-nano", "trainer.batch_size=3"]
+    assert [bench.parse_bytes(s) for s in ("8", "64KB", "256MB", "1G")] == [8, 65536, 256 << 20, 1 << 30]
+    with pytest.raises(ConfigError):
+        bench.parse_args(["fly"])
+
+
+def test_unknown_mode_is_one_line_and_exit_code_2(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "fly"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: usage: python -m mingpt_ddp.bench <peak|train")
+
+
+def test_peak(tmp_path):
+    stdout, result = run_bench(["peak", "sizes=128,256", "seconds=0.05"], tmp_path)
+    header, rows = table(stdout)
+    assert header.split() == ["dtype", "n", "TFLOP/s"]
+    assert len(rows) == 4 and [r.split()[0] for r in rows] == ["fp32", "fp32", "bf16", "bf16"]
+    assert {(r["dtype"], r["n"]) for r in result["rows"]} == {(d, n) for d in ("fp32", "bf16") for n in (128, 256)}
+    assert set(result["peak_tflops"]) == {"fp32", "bf16"} and all(v > 0 for v in result["peak_tflops"].values())
+    assert result["env"]["cpu"]["cores"] >= 1
+
+
+def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
+    stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
+    header, rows = table(stdout)
+    assert header.split()[:3] == ["tokens/s", "tokens/s/proc", "ms/step"] and len(rows) == 1
+    assert r["steps"] == 4 and r["precision"] == "fp32" and r["global_batch"] == 4 and r["block_size"] == 32
+    vocab = len(set(small_corpus.read_text(encoding="utf-8")))
+    n = n_params_by_formula(3, 48, vocab)  # gpt-nano: 3 layers, 48 dims
+    assert r["flops_per_token"] == 6 * n + 12 * 3 * 32 * 48
+    assert r["tokens_per_s"] == pytest.approx(4 * 4 * 32 / (r["ms_per_step"] * 4 / 1e3), rel=1e-6)
+    assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / r["peak_flops_per_process"], rel=1e-6)
+    assert r["peak_memory_bytes"] > 10 * 2**20 and r["peak_memory_kind"] == "max RSS"
+
+
+def test_train_runs_under_torchrun_and_counts_all_ranks(tmp_path, small_corpus):
+    _, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=2", "warmup=1"], tmp_path, nproc=2)
+    assert r["env"]["world_size"] == 2 and r["global_batch"] == 8
+    assert r["tokens_per_s"] == pytest.approx(2 * r["tokens_per_s_per_process"])
+    assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / (2 * r["peak_flops_per_process"]))
+
+
+def test_data(tmp_path, small_corpus):
+    stdout, r = run_bench(["data", "data.block_size=32", "trainer.batch_size=4", f"data.path={small_corpus}",
+                           "steps=500"], tmp_path)
+    header, rows = table(stdout)
+    assert header.split()[0] == "samples/s" and len(rows) == 1
+    assert r["steps"] == 500 and r["samples_per_s"] > 0 and r["us_per_step_batch"] > 0
+    assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
+
+
+def test_snapshot_to_a_local_url(tmp_path, small_corpus):
+    target = tmp_path / "snaps"
+    stdout, r = run_bench(["snapshot", "model=gpt-nano", "data.block_size=32", "trainer.batch_size=4",
+                           f"data.path={small_corpus}", f"url={target}", "repeat=2"], tmp_path)
+    header, rows = table(stdout)
+    assert "blocks training s" in header and len(rows) == 1
+    assert r["url"] == f"{target}/bench-snapshot.pt" and len(r["runs"]) == 2
+    best = r["best"]
+    for key in ("blocking_s", "copy_to_cpu_s", "background_write_s", "encode_s", "write_s", "save_s", "load_s"):
+        assert best[key] > 0, key
+    assert best["bytes"] > 4 * r["parameters"]  # weights and the two AdamW moments, at least
+    assert not list(target.glob("bench-snapshot*"))  # the bench removes what it wrote
+
+
+def test_comm_alone(tmp_path):
+    _, r = run_bench(["comm", "max_bytes=1KB"], tmp_path)
+    assert r["ranks"] == 1 and [row["size"] for row in r["rows"]] == [8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
+    stdout, r = run_bench(["comm", "max_bytes=64KB", "iters=3", "warmup=1"], tmp_path, nproc=2)
+    header, rows = table(stdout)
+    assert header.split() == ["size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"]
+    sizes = [row["size"] for row in r["rows"]]
+    assert sizes == [8 * 2**i for i in range(14)] and len(rows) == 14  # 8 B .. 64 KiB, doubling
+    assert r["ranks"] == 2 and r["env"]["backend"] == ("nccl" if torch.cuda.is_available() else "gloo")
+    for row in r["rows"]:
+        assert row["wrong"] == 0
+        assert row["algbw_GBps"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
+    assert "# Avg bus bandwidth" in stdout
