@@ -7,6 +7,7 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -86,6 +87,9 @@ class TrainerConfig:
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    # Also write the metrics as TensorBoard scalars (rank 0, <run dir>/tensorboard); needs
+    # the `tensorboard` extra.
+    tensorboard: bool = False
     ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger, fewer all-reduces; smaller, earlier overlap
     ddp_static_graph: bool = False  # DDP static_graph: the same parameters are used every step (true here)
     # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
@@ -193,6 +197,8 @@ def validate(cfg: Any) -> None:
     if t.snapshot_every_minutes is not None:
         _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
+    if t.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("trainer.tensorboard=true needs TensorBoard: pip install -e '.[tensorboard]'")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     if not 0 < t.save_retry_minutes <= MAX_SAVE_RETRY_MINUTES:

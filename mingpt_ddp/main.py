@@ -107,7 +107,8 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         "model_config": dict(vars(model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0)
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0,
+                         tensorboard_dir=os.path.join(run_dir, "tensorboard") if cfg.trainer.tensorboard else None)
     try:
         trainer = Trainer(
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,

@@ -20,17 +20,27 @@ class MetricsLog:
     otherwise (Slurm and CI logs). Only rank 0 makes one with `enabled=True`.
     """
 
-    def __init__(self, path: Optional[str], enabled: bool, total_steps: int):
+    def __init__(self, path: Optional[str], enabled: bool, total_steps: int,
+                 tensorboard_dir: Optional[str] = None):
         self.enabled = enabled
         self.total_steps = total_steps
         self.interactive = enabled and sys.stderr.isatty()
         self._file = open(path, "a", buffering=1) if enabled and path else None
+        self._tensorboard = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tensorboard = SummaryWriter(tensorboard_dir)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         if self._file:
             self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:  # the same scalars, for users who live in TensorBoard
+            for key, value in record.items():
+                if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tensorboard.add_scalar(key, value, record["step"])
         if "train_loss" in record:
             self._show_progress(record)
         if record.get("val_loss") is not None:
@@ -63,6 +73,9 @@ class MetricsLog:
         if self._file:
             self._file.close()
             self._file = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
 
 
 _PEAK_CACHE: dict[tuple, float] = {}

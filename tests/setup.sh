@@ -11,7 +11,7 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -e ".[test,plot]"
+"${PIP[@]}" -e ".[test,plot,tensorboard]"
 
 # --- s3 (issue 5) ---
 # s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that

@@ -4,6 +4,7 @@ import os
 import subprocess
 import time
 
+import pytest
 import torch
 
 from conftest import PYTHON, REPO, TINY, load_snapshot, output, read_metrics, run_cli
@@ -109,3 +110,17 @@ def test_missing_corpus_is_downloaded_once_atomically_while_other_ranks_wait(tmp
     assert target.read_bytes() == small_corpus.read_bytes()
     assert text.count("downloading http://127.0.0.1") == 1
     assert [p.name for p in target.parent.iterdir()] == ["tinyshakespeare.txt"]  # no temp file left
+
+
+def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path, small_corpus):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    run_dir = tmp_path / "run"
+    train(run_dir, small_corpus, "trainer.max_steps=10", "trainer.tensorboard=true", nproc=0)
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    logged = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+    rows = read_metrics(run_dir)
+    expected = [(r["step"], r["train_loss"]) for r in rows if "train_loss" in r]
+    assert [s for s, _ in logged["train_loss"]] == [s for s, _ in expected] == [5, 10]
+    assert [v for _, v in logged["train_loss"]] == pytest.approx([v for _, v in expected])
+    assert [s for s, _ in logged["val_loss"]] == [10] and "tokens_per_s" in logged and "lr" in logged
