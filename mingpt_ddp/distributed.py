@@ -118,7 +118,7 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
 
     After torchrun restarts killed workers, the new workers could read the previous
     generation's gloo addresses from the agent's store; a prefix per restart keeps each
-    generation's keys apart (see shared/notes/torchrun-restarts.md).
+    generation's keys apart (seen failing intermittently on CPU/gloo without it).
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"

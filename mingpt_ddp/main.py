@@ -13,6 +13,11 @@ import sys
 import time
 from typing import Any, Optional
 
+if __package__ in (None, ""):
+    # Run as a script (`torchrun mingpt_ddp/main.py`): import the package from this checkout,
+    # not from whatever copy the interpreter has installed (or none, in a container image).
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode

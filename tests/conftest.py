@@ -28,13 +28,14 @@ TINY = [
 ]
 
 
+CORPUS = REPO / "tests" / "data" / "tinyshakespeare-40k.txt"
+
+
 def corpus_path() -> Path:
-    """tiny-shakespeare from ../shared (never committed to the repo)."""
-    candidates = [os.environ.get("MINGPT_TEST_CORPUS"), REPO.parent / "shared" / "data" / "tinyshakespeare.txt"]
-    for c in candidates:
-        if c and Path(c).is_file():
-            return Path(c)
-    pytest.fail("tiny-shakespeare not found: set MINGPT_TEST_CORPUS or provide ../shared/data/tinyshakespeare.txt")
+    """The committed 40,000-character slice of tiny-shakespeare (tests/data), or the text
+    named by MINGPT_TEST_CORPUS when a run wants another one."""
+    override = os.environ.get("MINGPT_TEST_CORPUS")
+    return Path(override) if override else CORPUS
 
 
 @pytest.fixture(scope="session")

