@@ -9,7 +9,7 @@ import os
 import socket
 import sys
 
-# import name -> (pip name, version floor from pyproject.toml)
+# import name -> pip requirement (floors as in pyproject.toml)
 PACKAGES = {
     "hydra": "hydra-core>=1.3",
     "omegaconf": "omegaconf>=2.3",
@@ -27,7 +27,8 @@ def missing_message(module: str) -> str:
     top = module.split(".")[0]
     requirement = PACKAGES.get(top, top)
     pip_name = requirement.split(">")[0]
-    where = f" on {socket.gethostname()}" if os.environ.get("RANK", "0") != "0" else ""
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    where = f" on {socket.gethostname()}" if rank != "0" else ""
     return (f"error: {sys.executable}{where} lacks the Python package {pip_name} (import {top} failed): "
             f"install it with `{sys.executable} -m pip install '{requirement}'` (in a container image: "
             "add it to the image, without replacing the image's torch), or point PYTHON at an "
@@ -46,6 +47,6 @@ def require(*modules: str) -> None:
         except (ImportError, ValueError):
             found = False
         if not found:
-            if os.environ.get("LOCAL_RANK", "0") == "0":
+            if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":  # torchrun, or plain srun
                 print(missing_message(module), file=sys.stderr, flush=True)
             sys.exit(EXIT_CODE)
