@@ -195,13 +195,6 @@ else
   efa_state="efa=off ($efa_how)"
 fi
 
-# ---- the flight recorder's dump directory (train.sbatch sets the file prefix) ---------------
-fr_dump=${TORCH_FR_DUMP_TEMP_FILE:-${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}}
-if [ -n "$fr_dump" ]; then
-  mkdir -p "$(dirname "$fr_dump")" 2>/dev/null \
-    || log "warning: cannot create $(dirname "$fr_dump") for NCCL flight recorder dumps"
-fi
-
 # ---- pre-flight checks ------------------------------------------------------------------
 PREFLIGHT=${PREFLIGHT:-0}
 [[ $PREFLIGHT =~ ^(0|1|only)$ ]] || die "PREFLIGHT=$PREFLIGHT: give 1 (check, then train), only (check and exit) or 0"
@@ -351,6 +344,13 @@ run_agent() {  # COMMAND...: one torchrun agent, to its end; sets rc
     log "torchrun on $host exited with code $rc"
   fi
 }
+
+# ---- the flight recorder's dump directory (train.sbatch sets the file prefix) -------------
+fr_dump=${TORCH_FR_DUMP_TEMP_FILE:-${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}}
+if [ -n "$fr_dump" ]; then
+  mkdir -p "$(dirname "$fr_dump")" 2>/dev/null \
+    || log "warning: cannot create $(dirname "$fr_dump") for NCCL flight recorder dumps"
+fi
 
 if [ "$PREFLIGHT" != 0 ]; then
   reach_head "$PREFLIGHT_PORT"
