@@ -169,8 +169,9 @@ def run() -> Optional[str]:
             print(f"preflight: passed: {len(nodes)} node(s), {dist.world_size} rank(s), busbw "
                   f"{last['busbw_GBps']:.3f} GB/s at {last['size']:,} bytes"
                   + (f" (PREFLIGHT_MIN_BUSBW={min_busbw:g})" if min_busbw is not None else ""), flush=True)
+    # The verdict is an object collective (gloo, CPU): it also keeps every rank here until rank 0
+    # has reported. No barrier: with too few GPUs it would run NCCL on a shared device.
     problem = distributed.broadcast_object(problem)
-    distributed.barrier()
     distributed.teardown()
     return problem
 
