@@ -102,7 +102,8 @@ class Trainer:
         self.device = dist.device
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
-        self.precision = precision.resolve(cfg.precision, self.device)
+        self.precision = precision.resolve(cfg.precision, self.device, measure_cpu=lambda: distributed.broadcast_object(
+            precision.measured_cpu_choice(model, cfg.batch_size, self.block_size) if dist.is_main else None))
         if self.device.type == "cuda":
             # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
