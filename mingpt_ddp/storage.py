@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 from urllib.parse import urlsplit
@@ -69,7 +70,9 @@ def filesystem(url: str, options: Optional[Mapping[str, Any]] = None):
         return fsspec.core.url_to_fs(url, **dict(options or {}))
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
-        hint = "pip install -e '.[s3]'" if scheme in ("s3", "s3a") else f"install the fsspec backend for {scheme}://"
+        # Only the backend: `pip install -e '.[s3]'` would also re-resolve torch (in an image, replace it).
+        hint = (f"{sys.executable} -m pip install 's3fs>=2023.6'" if scheme in ("s3", "s3a")
+                else f"install the fsspec backend for {scheme}://")
         raise ConfigError(f"cannot open {url}: {exc}: {hint}") from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"cannot open {url} with the given storage_options: {redact(str(exc))}") from None

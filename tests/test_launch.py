@@ -339,3 +339,19 @@ exit 1
     cluster.node_cpus.cache_clear()
     assert cluster.cpus_per_task("gpu", 8) is None
     cluster.node_cpus.cache_clear()
+
+
+def test_missing_s3fs_for_an_s3_url_is_one_line_naming_it(tmp_path, small_corpus):
+    """s3fs missing and trainer.snapshot_path=s3://...: one `error:` line naming s3fs and the pip
+    command for this interpreter (not `pip install -e`, which would re-resolve torch), exit 2."""
+    python = venv_without_package(tmp_path / "env", leave_out=("s3fs",))
+    proc = subprocess.run(
+        [str(python), MAIN, *TINY, f"data.path={small_corpus}", "trainer.snapshot_path=s3://bucket/run/snapshot.pt",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=clean_env(),
+    )
+    out = output(proc)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, out
+    assert "s3fs" in errors[0] and f"{python} -m pip install 's3fs>=2023.6'" in errors[0], errors
+    assert "Traceback" not in out, out
