@@ -119,7 +119,7 @@ class Trainer:
         self.ddp_model = (
             DDP(
                 self.forward_model,
-                device_ids=[dist.local_rank] if self.device.type == "cuda" else None,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
                 bucket_cap_mb=cfg.ddp_bucket_cap_mb,
                 static_graph=cfg.ddp_static_graph,
