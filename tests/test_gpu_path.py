@@ -339,3 +339,82 @@ def test_progress_line_labels_both_mfus(caplog):
         log.write({"step": 1, "epoch": 0, "train_loss": 2.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.45,
                    "mfu_datasheet": 0.38, "includes_compile": True})
     assert "(includes compiling) | MFU 45.0% of measured peak, 38.0% of datasheet peak" in caplog.text
+
+
+# ---- the bench: train timing, comm data, agreeing to stop waiting (issue 11 item 6) ------------
+def test_bench_train_keeps_epoch_end_evaluations_out_of_the_timed_steps(tmp_path, shakespeare, monkeypatch):
+    """Few steps per epoch, so epoch ends fall among the timed steps. A fake clock: each
+    optimizer step takes 1 s, each evaluation 100 s; ms/step must read 1000."""
+    import types
+
+    from mingpt_ddp import bench
+    from mingpt_ddp.trainer import Trainer
+
+    text = tmp_path / "small.txt"
+    text.write_text(shakespeare.read_text()[:4_000])
+    now = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0]))
+    real_step, real_evaluate = Trainer._optimizer_step, Trainer.evaluate
+
+    def step(self, micro_batches):
+        now[0] += 1.0
+        return real_step(self, micro_batches)
+
+    def evaluate(self):
+        now[0] += 100.0
+        return real_evaluate(self)
+    monkeypatch.setattr(Trainer, "_optimizer_step", step)
+    monkeypatch.setattr(Trainer, "evaluate", evaluate)
+    options = {**bench.OPTIONS, "steps": "12", "warmup": "1"}
+    result = bench.run_train(SINGLE, options, [*TINY[:3], "trainer.batch_size=16", "trainer.precision=fp32",
+                                               f"data.path={text}"])
+    trainer_epochs_crossed = 13 * 16 * 32 > 0.85 * 4_000  # more windows consumed than one epoch holds
+    assert trainer_epochs_crossed
+    assert result["ms_per_step"] == pytest.approx(1000.0)
+    assert result["mfu_datasheet"] is None and result["datasheet_peak_flops_per_process"] is None
+
+
+def test_comm_iterations_are_at_least_nccl_tests_default():
+    from mingpt_ddp import bench
+    assert [bench.comm_iters(s) for s in (8, 1 << 20, 64 << 20, 256 << 20)] == [100, 50, 20, 20]
+
+
+def test_comm_data_stays_finite_over_many_iterations(tmp_path):
+    """Ones summed over 2 ranks double each iteration: inf after 128 of them."""
+    import json
+    out = tmp_path / "comm.json"
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "mingpt_ddp.bench", "comm",
+                           "max_bytes=64", "iters=140", "warmup=1", f"out={out}"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and all(r["timed_data_finite"] and r["wrong"] == 0 and r["iters"] == 140 for r in rows), rows
+
+
+SKEWED_CLOCK = textwrap.dedent("""
+    import sys, time
+    from mingpt_ddp import bench, distributed
+    dist = distributed.setup(timeout_minutes=0.5)
+    if dist.rank == 1:  # this rank's clock jumps ahead after the first round: its deadline passes early
+        real, calls = time.monotonic, []
+        def jumpy():
+            calls.append(1)
+            return real() + (1e6 if len(calls) > 2 else 0)
+        bench.time = type("T", (), {"monotonic": staticmethod(jumpy), "sleep": time.sleep})
+    # threshold -1: never quiet, so only rank 0's deadline can end the wait
+    busy = bench.wait_until_quiet(3.0, dist, threshold=-1.0)
+    print(f"rank {dist.rank} left the wait: {busy}", flush=True)
+    distributed.barrier()
+""")
+
+
+def test_wait_until_quiet_ends_on_the_same_round_on_every_rank(tmp_path):
+    script = tmp_path / "skew.py"
+    script.write_text(SKEWED_CLOCK)
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=150)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text
+    assert "rank 0 left the wait" in text and "rank 1 left the wait" in text, text
