@@ -27,7 +27,7 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest
-from mingpt_ddp.snapshot import BackgroundSaver, to_cpu
+from mingpt_ddp.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ class Trainer:
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()
         if self.saver is not None:
-            self.saver.submit(to_cpu(state), self.state.step)
+            self.saver.submit(state, self.state.step)  # copies to host memory, then writes in the background
 
     # ---- the loop --------------------------------------------------------------------
     def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
