@@ -2,7 +2,7 @@
 
 The composition root: compose the config, join the process group, build data, model,
 snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user can fix
-(ConfigError) end here: one line from rank 0, exit code 2.
+(ConfigError) end here: one line from the rank that hit it, exit code 2.
 """
 from __future__ import annotations
 
@@ -182,6 +182,15 @@ def _agreed_run_dir(dist: DistEnv) -> str:
     return run_dir
 
 
+def _report_error(message: str) -> None:
+    """One `error:` line from the rank that hit it (prefixed with its rank unless 0), once
+    when every rank hit it. Exiting non-zero then ends the job: torchrun stops the other
+    workers, srun does with --kill-on-bad-exit."""
+    rank = int(os.environ.get("RANK", "0"))
+    if distributed.first_to_report(message, HydraConfig.get().runtime.output_dir):
+        print(f"{f'[rank {rank}] ' if rank else ''}error: {message}", file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 @record  # a bug's traceback reaches torchrun's failure summary, naming the rank (ConfigErrors stay one line)
 def main(cfg: DictConfig) -> Optional[float]:
@@ -193,14 +202,13 @@ def main(cfg: DictConfig) -> Optional[float]:
         storage.redact_logs()
         # Before anything else: Hydra has just written .hydra/ from the raw config.
         storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        dist = distributed.setup()
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+        _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))

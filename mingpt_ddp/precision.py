@@ -166,6 +166,10 @@ def resolve(requested: Precision | str, device: torch.device,
             name = measure_cpu()
         else:
             name = "bf16" if cpu_has_fast_bf16() else "fp32"
-    if name == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("trainer.precision=bf16 but this GPU has no bf16 support: use fp16 or auto")
+    if name == "bf16" and device.type == "cuda" and not gpu_has_native_bf16(device):
+        raise ConfigError(
+            f"trainer.precision=bf16 but {torch.cuda.get_device_name(device)} (sm_"
+            f"{''.join(map(str, torch.cuda.get_device_capability(device)))}) only emulates bf16, several times "
+            "slower: use trainer.precision=fp16 (or auto, which picks it there)"
+        )
     return PrecisionPlan(name, device.type)
