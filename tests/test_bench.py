@@ -162,6 +162,6 @@ def test_precision_reports_fp32_and_bf16_and_the_auto_choice(tmp_path, small_cor
     stdout, r = run_bench(["precision", *TINY_TRAIN, f"data.path={small_corpus}", "steps=1"], tmp_path)
     header, rows = table(stdout)
     assert header.split() == ["precision", "ms/pass", "tokens/s", "x", "fp32"]
-    assert [row.split()[0] for row in rows] == ["fp32", "bf16"]
+    assert [row.split()[0] for row in rows][:2] == ["fp32", "bf16"]
     assert [row["precision"] for row in r["rows"]] == ["fp32", "bf16"] and all(row["ms_per_pass"] > 0 for row in r["rows"])
     assert r["auto_choice"] in ("fp32", "bf16") and f"auto chooses {r['auto_choice']}" in stdout
