@@ -19,6 +19,9 @@ if __package__ in (None, ""):
     # not from whatever copy the interpreter has installed (or none, in a container image).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mingpt_ddp.dependencies import require  # noqa: E402 (standard library only)
+
+require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing one, not a traceback per rank
 
 from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE  # noqa: E402 (standard library only)
 
@@ -39,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, sample, storage
+from mingpt_ddp import cluster, config, distributed, sample, storage
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -48,9 +51,11 @@ from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
+from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("mingpt_ddp")
 config.register()
+cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
 
 def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
@@ -187,6 +192,7 @@ def _report_error(message: str) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@record  # a bug's traceback reaches torchrun's failure summary, naming the rank (ConfigErrors stay one line)
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
