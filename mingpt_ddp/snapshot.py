@@ -119,6 +119,7 @@ class SnapshotStore:
         self.stem, dot, suffix = name.partition(".")
         self.suffix = dot + suffix if dot else ""
         self._history = re.compile(re.escape(self.stem) + r"\.step(\d+)" + re.escape(self.suffix) + "$")
+        self.loaded_sha256: Optional[str] = None  # payload checksum of what load_latest() returned
 
     def _join(self, name: str) -> str:
         return f"{self.directory}/{name}" if self.directory else name
@@ -178,15 +179,18 @@ class SnapshotStore:
 
     def _load_newest_valid(self) -> Optional[tuple[dict[str, Any], str]]:
         problems = []
+        self.loaded_sha256 = None
         for path in self.candidates():
             try:
-                state = decode(self.fs.cat_file(path), self.display(path))
+                blob = self.fs.cat_file(path)
+                state = decode(blob, self.display(path))
             except FileNotFoundError:  # removed by the writer's retention since the listing
                 continue
             except CorruptSnapshot as exc:
                 log.warning("skipping unusable snapshot %s", exc)
                 problems.append(str(exc))
                 continue
+            self.loaded_sha256 = _HEADER.match(blob[:256])[4].decode()  # which bytes: ranks compare it
             return state, self.display(path)
         if problems:
             raise ConfigError(
@@ -276,12 +280,49 @@ class SnapshotStore:
         self._write_whole(step_file, blob)
         self._point_latest_at(step_file)
         try:
-            for old_step, old in sorted(self._history_steps(), reverse=True)[self.keep_last :]:
-                self.fs.rm(old)
+            self._apply_retention(step)
         except Exception as exc:  # the snapshot is saved; the next save retries the cleanup
             log.warning("removing old snapshots at %s failed (%s); will retry at the next save",
                         self.url, storage.describe(exc))
         return self.display(step_file)
+
+
+    def _apply_retention(self, step: int) -> None:
+        """Keep the `keep_last` newest snapshots up to `step`, the one just written first.
+
+        A file with a higher step than the one just written is left over from before the
+        resume: the run resumed from an older step because that file was damaged (or
+        unreadable). It never takes a slot, so the newest valid snapshot is never deleted;
+        a damaged one is moved aside as ``<name>.corrupt`` and reported.
+        """
+        history = sorted(self._history_steps(), reverse=True)
+        for newer_step, newer in (item for item in history if item[0] > step):
+            try:
+                problem = verify(self.fs.cat_file(newer), self.display(newer))
+            except FileNotFoundError:
+                continue
+            if problem:
+                self.fs.mv(newer, newer + ".corrupt")
+                log.warning("moved damaged snapshot aside to %s.corrupt (%s)", self.display(newer), problem)
+            else:
+                log.warning("snapshot %s is newer (step %d) than the one just saved (step %d) and was not "
+                            "written by this run; left in place", self.display(newer), newer_step, step)
+        for _, old in [item for item in history if item[0] <= step][self.keep_last :]:
+            self.fs.rm(old)
+
+
+def verify(blob: bytes, where: str = "snapshot") -> Optional[str]:
+    """What is wrong with a snapshot's header, length or checksum (None if nothing),
+    without unpickling it."""
+    match = _HEADER.match(blob[:256])
+    if not match or int(match[1]) != FORMAT_VERSION:
+        return f"{where}: not a mingpt-ddp snapshot of format {FORMAT_VERSION}"
+    payload = memoryview(blob)[match.end() :]
+    if len(payload) != int(match[3]):
+        return f"{where}: truncated ({len(payload)} of {match[3].decode()} payload bytes)"
+    if hashlib.sha256(payload).hexdigest() != match[4].decode():
+        return f"{where}: checksum mismatch (the file was modified or damaged)"
+    return None
 
 
 def _fsync_dir(directory: str) -> None:
