@@ -116,6 +116,9 @@ class RunLock:
                 os.fsync(f.fileno())
             return True
         if self.is_object_store:
+            self.fs.invalidate_cache(self.path)
+            if self.fs.exists(self.path):  # also right on stores that ignore If-None-Match
+                return False
             try:
                 self.fs.pipe_file(self.path, blob, mode="create")
             except FileExistsError:
