@@ -34,6 +34,18 @@ def check_writable_dir(path: str, key: str) -> None:
         ) from None
 
 
+def refuse_a_live_run(config: DictConfig) -> None:
+    """A live run of another job in this (local) run directory: refuse before Hydra writes
+    its `.hydra/` files over the live run's. Object stores are checked by the trainer."""
+    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.snapshot import SnapshotStore
+
+    path = config.trainer.get("snapshot_path") or os.path.join(str(config.hydra.run.dir), "snapshot.pt")
+    if "://" in str(path) and not str(path).startswith("file://"):
+        return
+    RunLock(SnapshotStore(str(path))).check_free()
+
+
 def _refuse(exc: ConfigError) -> None:
     """Exit as main() does for a ConfigError: one line from rank 0, code 2."""
     if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
@@ -48,6 +60,7 @@ class RunDirCheck(Callback):
         storage.redact_logs()
         try:
             check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
+            refuse_a_live_run(config)
         except ConfigError as exc:
             _refuse(exc)
 

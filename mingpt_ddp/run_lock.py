@@ -179,6 +179,14 @@ class RunLock:
             return None
         return "its heartbeat is recent"
 
+    def check_free(self) -> None:
+        """Raise the refusal if a live run of another job holds the lock (a read-only check,
+        for before anything is written; acquire() is what takes the lock)."""
+        owner = self._read()
+        if owner and not (job_identity() is not None and owner.get("job") == job_identity()) \
+                and self.why_not_stale(owner) is not None:
+            raise ConfigError(self._refusal(owner))
+
     def acquire(self) -> None:
         """Take the lock, or raise a ConfigError naming the live run that holds it."""
         storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5)

@@ -407,11 +407,12 @@ def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path, small_corpus)
     try:
         wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first run training")
         start = time.monotonic()
-        second = run_cli(first_args, nproc=2, timeout=120)
+        second = run_cli([*first_args, "trainer.seed=4242"], nproc=2, timeout=120)
         line = expect_config_error(second, "another run is live", f"pid {first.pid}", socket.gethostname())
         assert time.monotonic() - start < 60, line
         steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert steps == sorted(steps), steps  # one writer
+        assert "4242" not in (run_dir / ".hydra" / "config.yaml").read_text()  # the live run's config kept
         os.kill(first.pid, signal.SIGTERM)
         assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()
     finally:
