@@ -288,27 +288,30 @@ class SnapshotStore:
 
 
     def _apply_retention(self, step: int) -> None:
-        """Keep the `keep_last` newest snapshots up to `step`, the one just written first.
+        """Keep the `keep_last` highest steps, and always the snapshot just written.
 
-        A file with a higher step than the one just written is left over from before the
-        resume: the run resumed from an older step because that file was damaged (or
-        unreadable). It never takes a slot, so the newest valid snapshot is never deleted;
-        a damaged one is moved aside as ``<name>.corrupt`` and reported.
+        A file with a higher step than the one just written is checked: the run may have
+        resumed from an older step because that file is damaged. A damaged file never
+        takes a slot (that would delete the newest valid snapshot); it is moved aside as
+        ``<name>.corrupt`` and reported.
         """
         history = sorted(self._history_steps(), reverse=True)
-        for newer_step, newer in (item for item in history if item[0] > step):
-            try:
-                problem = verify(self.fs.cat_file(newer), self.display(newer))
-            except FileNotFoundError:
-                continue
-            if problem:
-                self.fs.mv(newer, newer + ".corrupt")
-                log.warning("moved damaged snapshot aside to %s.corrupt (%s)", self.display(newer), problem)
-            else:
-                log.warning("snapshot %s is newer (step %d) than the one just saved (step %d) and was not "
-                            "written by this run; left in place", self.display(newer), newer_step, step)
-        for _, old in [item for item in history if item[0] <= step][self.keep_last :]:
-            self.fs.rm(old)
+        valid = []
+        for item_step, path in history:
+            if item_step > step:
+                try:
+                    problem = verify(self.fs.cat_file(path), self.display(path))
+                except FileNotFoundError:
+                    continue
+                if problem:
+                    self.fs.mv(path, path + ".corrupt")
+                    log.warning("moved damaged snapshot aside to %s.corrupt (%s)", self.display(path), problem)
+                    continue
+            valid.append((item_step, path))
+        kept = {path for _, path in valid[: self.keep_last]} | {self.step_path(step)}
+        for _, path in valid:
+            if path not in kept:
+                self.fs.rm(path)
 
 
 def verify(blob: bytes, where: str = "snapshot") -> Optional[str]:
