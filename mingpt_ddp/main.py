@@ -257,11 +257,10 @@ def run() -> None:
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
     try:
         main()
-    except SystemExit as exc:
+    except SystemExit:
         distributed.shutdown(clean=False)  # a rank may have stopped alone: no waiting for the others
         raise
-    except BaseException:
-        raise  # a bug: keep the traceback; atexit still tears the group down
+    # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)
 
 

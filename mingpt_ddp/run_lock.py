@@ -189,7 +189,13 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock, or raise a ConfigError naming the live run that holds it."""
-        storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5)
+        try:
+            storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"cannot take the run lock {self.where} ({storage.describe(exc)}): check that "
+                              "trainer.snapshot_path / the run directory is writable") from None
 
     def _acquire(self) -> None:
         mine = job_identity()

@@ -221,7 +221,7 @@ class Trainer:
         saved_world, saved_global = snapshot["world_size"], snapshot["global_batch"]
         saved_cfg = snapshot.get("config", {}).get("trainer", {})
         saved_choice = (saved_cfg.get("batch_size"), saved_cfg.get("grad_accum_steps"))
-        if saved_choice != (self.cfg.batch_size, self.cfg.grad_accum_steps):
+        if None not in saved_choice and saved_choice != (self.cfg.batch_size, self.cfg.grad_accum_steps):
             if self.global_batch != saved_global:
                 self.metrics.note(
                     f"global batch changed from {saved_global} to {self.global_batch} by the override of "
