@@ -87,6 +87,15 @@ def test_peak(tmp_path):
     assert result["env"]["cpu"]["cores"] >= 1
 
 
+def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "peak", "sizes=64", "seconds=0.01"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    written = list((tmp_path / "outputs" / "bench").glob("peak-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["peak_tflops"]
+
+
 def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
     stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
     header, rows = table(stdout)
@@ -147,3 +156,12 @@ def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
         assert row["algbw_GBps"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
     assert "# Avg bus bandwidth" in stdout
+
+
+def test_precision_reports_fp32_and_bf16_and_the_auto_choice(tmp_path, small_corpus):
+    stdout, r = run_bench(["precision", *TINY_TRAIN, f"data.path={small_corpus}", "steps=1"], tmp_path)
+    header, rows = table(stdout)
+    assert header.split() == ["precision", "ms/pass", "tokens/s", "x", "fp32"]
+    assert [row.split()[0] for row in rows] == ["fp32", "bf16"]
+    assert [row["precision"] for row in r["rows"]] == ["fp32", "bf16"] and all(row["ms_per_pass"] > 0 for row in r["rows"])
+    assert r["auto_choice"] in ("fp32", "bf16") and f"auto chooses {r['auto_choice']}" in stdout

@@ -30,7 +30,9 @@ def must_pass(proc):
 
 
 def error_lines(text):
-    return [line for line in text.splitlines() if line.startswith("error:")]
+    """`error: ...` lines, also as `[rank N] error: ...` (printed by the first rank to report it)."""
+    return [line.split("] ", 1)[1] if line.startswith("[rank ") else line for line in text.splitlines()
+            if line.startswith("error:") or (line.startswith("[rank ") and "] error: " in line)]
 
 
 def expect_config_error(proc, *phrases):
