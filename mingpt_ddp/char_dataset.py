@@ -258,10 +258,18 @@ def epoch_offset(seed: int, epoch: int, block_size: int) -> int:
     return int(torch.randint(block_size, (1,), generator=g))
 
 
+def shuffle_seed(seed: int, epoch: int) -> int:
+    """The seed of `epoch`'s window order, derived from both: with ``seed + epoch``, seed s
+    at epoch e+1 would repeat seed s+1 at epoch e, and a seed sweep would train shifted
+    copies of the same orders."""
+    digest = hashlib.sha256(f"mingpt_ddp/window-order/{seed}/{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """DistributedSampler's shuffled order, able to start part-way through an epoch.
 
-    The epoch's order is one permutation of all windows (seeded by seed + epoch, the same
+    The epoch's order is one permutation of all windows (seeded by shuffle_seed, the same
     for every world size); rank r takes every world_size-th index from a global
     `start` position. Resuming at the number of windows all ranks consumed so far therefore
     continues with exactly the windows not yet seen, even if the world size changed.
@@ -275,7 +283,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self.start = global_position
 
     def __iter__(self) -> Iterator[int]:
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        g = torch.Generator().manual_seed(shuffle_seed(self.seed, self.epoch))
         order = torch.randperm(len(self.dataset), generator=g)
         usable = (len(order) - self.start) // self.num_replicas * self.num_replicas
         mine = order[self.start : self.start + usable][self.rank :: self.num_replicas]

@@ -245,6 +245,29 @@ def teardown() -> None:
         torch_dist.destroy_process_group()
 
 
+def shutdown(clean: bool) -> None:
+    """Leave the process group in a defined order before the interpreter exits.
+
+    Left to ``atexit`` or to the interpreter's finalisation, gloo's worker threads can
+    still hold the last collectives' work objects (tensors with Python references) and
+    try to take the GIL while Python is being torn down: the process then dies with
+    ``terminate called without an active exception`` (SIGABRT) after a run that
+    finished. Here, while Python is fully alive: drop unreachable objects still
+    referencing the group (DDP's reducer), wait until every rank is done with its
+    collectives (`clean`: only when all ranks got here the same way, else a rank that
+    failed alone would wait on the others forever), then destroy the group.
+    """
+    import gc
+
+    gc.collect()
+    if not torch_dist.is_initialized():
+        return
+    if clean:
+        torch_dist.barrier()
+    torch_dist.destroy_process_group()
+    gc.collect()
+
+
 def barrier() -> None:
     if torch_dist.is_initialized():
         torch_dist.barrier()

@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 if __package__ in (None, ""):
     # Run as a script (`torchrun mingpt_ddp/main.py`): import the package from this checkout,
@@ -48,6 +48,7 @@ from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.run_lock import RunLock
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
 from mingpt_ddp.time_budget import TimeBudget
@@ -55,6 +56,7 @@ from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("mingpt_ddp")
+T = TypeVar("T")
 config.register()
 cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
@@ -69,9 +71,58 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> 
         dist, once_per_node=True,
     )
     local = local_copy_path(cfg.path, cfg.cache_dir)
-    corpus = CharCorpus(read_text(local), cfg.val_fraction)
-    corpus.check_block_size(cfg.block_size)
-    return corpus, local
+
+    def read() -> CharCorpus:  # each rank reads its node's copy: it may fail on some ranks only
+        corpus = CharCorpus(read_text(local), cfg.val_fraction)
+        corpus.check_block_size(cfg.block_size)
+        return corpus
+
+    return on_every_rank(read, dist), local
+
+
+def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
+    """Run `fn` on every rank; if it raised a ConfigError on any rank, raise it on all.
+
+    For steps that can fail on some ranks only (a node's own disk or cache): without this,
+    the failing ranks would leave (or, in a sweep, go on to the next point) while the
+    others wait in the next collective.
+    """
+    result, error = None, None
+    try:
+        result = fn()
+    except ConfigError as exc:
+        error = str(exc)
+    errors = [(rank, e) for rank, e in enumerate(distributed.all_gather_object(error)) if e is not None]
+    if errors:
+        if len(errors) == dist.world_size:
+            raise ConfigError(errors[0][1])
+        raise ConfigError(f"on rank(s) {', '.join(str(r) for r, _ in errors)} of {dist.world_size}: {errors[0][1]}")
+    return result
+
+
+def load_agreed_snapshot(store: SnapshotStore, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
+    """The newest snapshot, checked to be the same one (step and payload checksum) on every
+    rank. A snapshot path that is not on storage all nodes share gives each node its own
+    view: one rank resuming at step N while another starts from scratch would train
+    diverging replicas silently, so that is an error naming who saw what."""
+    found = on_every_rank(store.load_latest, dist)
+    view = None if found is None else (found[0]["train_state"]["step"], store.loaded_sha256, found[1])
+    views = distributed.all_gather_object(view)
+    if len({v[:2] if v else None for v in views}) > 1:
+        seen: dict[Any, list[int]] = {}
+        for rank, v in enumerate(views):
+            seen.setdefault(v[:2] if v else None, []).append(rank)
+        parts = []
+        for key, ranks in seen.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
+            v = views[ranks[0]]
+            parts.append(f"{who}: " + (f"step {v[0]} from {v[2]} (sha256 {v[1][:12]})" if v else "no snapshot"))
+        raise ConfigError(
+            f"ranks see different snapshots ({'; '.join(parts)}): trainer.snapshot_path (default: snapshot.pt "
+            "in the run directory) must be one location on storage every node can read (a shared filesystem "
+            "or an object store), the same on every rank"
+        )
+    return found
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
@@ -102,7 +153,16 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last,
                           snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     distributed.on_main_then_share(store.check_writable, dist)
-    found = store.load_latest()
+    lock = RunLock(store)  # one live run per snapshot location; rank 0 holds it
+    distributed.on_main_then_share(lock.acquire, dist)
+    try:
+        return _resume_or_start(cfg, dist, run_dir, store)
+    finally:
+        lock.release()
+
+
+def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: SnapshotStore) -> tuple[str, Optional[float], str]:
+    found = load_agreed_snapshot(store, dist)
 
     corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
@@ -113,7 +173,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
-        check_compatible(snapshot, where, model_cfg, corpus.vocab)
+        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab), dist)
         state = TrainState(**snapshot["train_state"])
         if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
             if dist.is_main:
@@ -123,7 +183,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
                 )
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
+            corpus = on_every_rank(lambda: CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab), dist)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
@@ -205,6 +265,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         storage.redact_logs()
         # Before anything else: Hydra has just written .hydra/ from the raw config.
         storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
+        storage.scrub_url_secrets(_hydra_files_dirs())  # a presigned data URL is read, never stored
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -229,5 +290,17 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
+def run() -> None:
+    """main(), then a defined shutdown: background threads joined, the process group
+    destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
+    try:
+        main()
+    except SystemExit:
+        distributed.shutdown(clean=False)  # a rank may have stopped alone: no waiting for the others
+        raise
+    # A bug's exception propagates with its traceback; atexit still tears the group down.
+    distributed.shutdown(clean=True)
+
+
 if __name__ == "__main__":
-    main()
+    run()

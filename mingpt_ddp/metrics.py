@@ -126,8 +126,11 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: floa
     Other work on the machine can only slow a window down, so the fastest window is the
     best estimate of what the hardware does (CPUs shared with other jobs are noisy).
     """
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # A private generator: measuring must not move the global RNG, or the first trainer of a
+    # process (rank 0 only) would draw other dropout masks than the same run in a sweep.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, generator=generator).to(dtype)
+    b = torch.randn(n, n, device=device, generator=generator).to(dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.matmul(a, b, out=out)  # first call: library initialisation, packing buffers

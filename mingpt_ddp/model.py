@@ -174,6 +174,9 @@ class GPT(nn.Module):
         for _ in range(max_new_tokens):
             context = idx[:, -self.cfg.block_size :]
             logits, _ = self(context)
+            if temperature == 0:  # greedy: the likeliest token, no sampling
+                idx = torch.cat([idx, logits[:, -1, :].argmax(dim=-1, keepdim=True)], dim=1)
+                continue
             logits = logits[:, -1, :] / max(temperature, 1e-6)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]

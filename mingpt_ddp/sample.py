@@ -52,7 +52,20 @@ def snapshot_store_for(target: str) -> SnapshotStore:
     return SnapshotStore(target, retry_minutes=RETRY_MINUTES)
 
 
+def check_options(opts: SampleConfig) -> None:
+    """Refuse options that would crash deep in torch or silently sample something else."""
+    if opts.max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={opts.max_new_tokens} must be >= 0 (the number of characters to add)")
+    if opts.temperature < 0:
+        raise ConfigError(f"temperature={opts.temperature} must be >= 0 (0: always the likeliest character, "
+                          "1: the model's distribution, e.g. temperature=0.8)")
+    if opts.top_k is not None and opts.top_k < 1:
+        raise ConfigError(f"top_k={opts.top_k} must be at least 1 (sample among the k likeliest characters), "
+                          "or top_k=null for no limit")
+
+
 def generate_text(target: str, opts: SampleConfig) -> str:
+    check_options(opts)
     found = snapshot_store_for(target).load_latest()
     if found is None:
         raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
@@ -61,8 +74,6 @@ def generate_text(target: str, opts: SampleConfig) -> str:
     model = GPT(GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])
     model.to(opts.device).eval()
-    if opts.max_new_tokens < 0:
-        raise ConfigError("max_new_tokens must be >= 0")
     prompt = opts.prompt or "\n"
     context = vocab.encode(prompt).long()[None].to(opts.device)
     generator = torch.Generator(device=opts.device).manual_seed(opts.seed)
@@ -88,6 +99,7 @@ def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
 def cli(argv: Optional[list[str]] = None) -> None:
     try:
         target, opts = parse_args(sys.argv[1:] if argv is None else argv)
+        check_options(opts)
         text = generate_text(target, opts)
     except ConfigError as exc:
         if "characters outside the vocabulary" in str(exc):

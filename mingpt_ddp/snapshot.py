@@ -173,6 +173,7 @@ class SnapshotStore:
         self.stem, dot, suffix = name.partition(".")
         self.suffix = dot + suffix if dot else ""
         self._history = re.compile(re.escape(self.stem) + r"\.step(\d+)" + re.escape(self.suffix) + "$")
+        self.loaded_sha256: Optional[str] = None  # payload checksum of what load_latest() returned
 
     def _join(self, name: str) -> str:
         return f"{self.directory}/{name}" if self.directory else name
@@ -232,15 +233,18 @@ class SnapshotStore:
 
     def _load_newest_valid(self) -> Optional[tuple[dict[str, Any], str]]:
         problems = []
+        self.loaded_sha256 = None
         for path in self.candidates():
             try:
-                state = decode(self.fs.cat_file(path), self.display(path))
+                blob = self.fs.cat_file(path)
+                state = decode(blob, self.display(path))
             except FileNotFoundError:  # removed by the writer's retention since the listing
                 continue
             except CorruptSnapshot as exc:
                 log.warning("skipping unusable snapshot %s", exc)
                 problems.append(str(exc))
                 continue
+            self.loaded_sha256 = _HEADER.match(blob[:256])[4].decode()  # which bytes: ranks compare it
             return state, self.display(path)
         if problems:
             raise ConfigError(
@@ -344,12 +348,52 @@ class SnapshotStore:
         self._write_whole(step_file, blob)
         self._point_latest_at(step_file)
         try:
-            for old_step, old in sorted(self._history_steps(), reverse=True)[self.keep_last :]:
-                self.fs.rm(old)
+            self._apply_retention(step)
         except Exception as exc:  # the snapshot is saved; the next save retries the cleanup
             log.warning("removing old snapshots at %s failed (%s); will retry at the next save",
                         self.url, storage.describe(exc))
         return self.display(step_file)
+
+
+    def _apply_retention(self, step: int) -> None:
+        """Keep the `keep_last` highest steps, and always the snapshot just written.
+
+        A file with a higher step than the one just written is checked: the run may have
+        resumed from an older step because that file is damaged. A damaged file never
+        takes a slot (that would delete the newest valid snapshot); it is moved aside as
+        ``<name>.corrupt`` and reported.
+        """
+        history = sorted(self._history_steps(), reverse=True)
+        valid = []
+        for item_step, path in history:
+            if item_step > step:
+                try:
+                    problem = verify(self.fs.cat_file(path), self.display(path))
+                except FileNotFoundError:
+                    continue
+                if problem:
+                    self.fs.mv(path, path + ".corrupt")
+                    log.warning("moved damaged snapshot aside to %s.corrupt (%s)", self.display(path), problem)
+                    continue
+            valid.append((item_step, path))
+        kept = {path for _, path in valid[: self.keep_last]} | {self.step_path(step)}
+        for _, path in valid:
+            if path not in kept:
+                self.fs.rm(path)
+
+
+def verify(blob: bytes, where: str = "snapshot") -> Optional[str]:
+    """What is wrong with a snapshot's header, length or checksum (None if nothing),
+    without unpickling it."""
+    match = _HEADER.match(blob[:256])
+    if not match or int(match[1]) != FORMAT_VERSION:
+        return f"{where}: not a mingpt-ddp snapshot of format {FORMAT_VERSION}"
+    payload = memoryview(blob)[match.end() :]
+    if len(payload) != int(match[3]):
+        return f"{where}: truncated ({len(payload)} of {match[3].decode()} payload bytes)"
+    if hashlib.sha256(payload).hexdigest() != match[4].decode():
+        return f"{where}: checksum mismatch (the file was modified or damaged)"
+    return None
 
 
 def _fsync_dir(directory: str) -> None:

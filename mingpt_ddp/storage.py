@@ -151,7 +151,48 @@ def _secret_env_values() -> list[str]:
 def redact(text: str) -> str:
     for secret in sorted({*_known_secrets, *[v for v in _secret_env_values() if len(v) >= 6]}, key=len, reverse=True):
         text = text.replace(secret, REDACTED)
-    return text
+    return redact_url_secrets(text)
+
+
+# Query parameters of URLs that carry credentials: presigned S3 (X-Amz-Signature,
+# X-Amz-Credential, X-Amz-Security-Token), GCS (X-Goog-Signature), Azure SAS (sig),
+# and the usual token / key / password parameters.
+_URL_SECRET_PARAM = re.compile(
+    r"(?P<name>[?&;](?:[\w.\-]*(?:signature|credential|token|secret|passw|api[_\-]?key|access[_\-]?key)[\w.\-]*"
+    r"|sig|key|code|auth|password))=(?P<value>[^&#;\s'\"<>]+)",
+    re.IGNORECASE,
+)
+
+
+def redact_url_secrets(text: str) -> str:
+    """`text` with the values of credential-carrying URL query parameters replaced: a
+    presigned URL or a ``?token=`` in data.path is used to read, never shown or stored."""
+    if "=" not in text:
+        return text
+    return _URL_SECRET_PARAM.sub(lambda m: f"{m['name']}={REDACTED}" if m["value"] != REDACTED else m[0], text)
+
+
+def scrub_url_secrets(directories: Iterable[str]) -> None:
+    """Redact URL query secrets from the YAML files Hydra wrote into `directories`
+    (.hydra/config.yaml, overrides.yaml, hydra.yaml; a sweep's multirun.yaml)."""
+    for directory in directories:
+        if not os.path.isdir(directory):
+            continue
+        for name in sorted(os.listdir(directory)):
+            path = os.path.join(directory, name)
+            if not name.endswith(".yaml") or not os.path.isfile(path):
+                continue
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            cleaned = redact_url_secrets(text)
+            if cleaned == text:
+                continue
+            tmp = f"{path}.redacting-{os.getpid()}"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(cleaned)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
 
 
 def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -260,6 +301,8 @@ def redacted_config(container: Any) -> Any:
         return out
     if isinstance(container, list):
         return [redacted_config(v) for v in container]
+    if isinstance(container, str):
+        return redact_url_secrets(container)
     return container
 
 
@@ -290,7 +333,23 @@ class RedactingFilter(logging.Filter):
 
 def redact_logs() -> None:
     """Install the redacting filter on every handler of the root logger (Hydra's console
-    and main.log handlers)."""
+    and main.log handlers), and redact URL query secrets in every record as it is made
+    (Hydra's own lines too, whatever handlers it configures later)."""
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
+    factory = logging.getLogRecordFactory()
+    if not getattr(factory, "redacts_urls", False):
+        def make_record(*args, **kwargs) -> logging.LogRecord:
+            record = factory(*args, **kwargs)
+            try:
+                message = record.getMessage()
+            except Exception:  # a malformed record: leave it to logging to report
+                return record
+            cleaned = redact_url_secrets(message)
+            if cleaned != message:
+                record.msg, record.args = cleaned, ()
+            return record
+
+        make_record.redacts_urls = True  # type: ignore[attr-defined]
+        logging.setLogRecordFactory(make_record)

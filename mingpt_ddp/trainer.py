@@ -134,6 +134,7 @@ class Trainer:
         self.corpus = corpus
         self.micro_batch = cfg.batch_size
         self.accum_steps = cfg.grad_accum_steps
+        self._check_static_graph()
         self.sampler = ResumableDistributedSampler(
             WindowDataset(corpus.train_tokens, self.block_size), dist.world_size, dist.rank, cfg.seed
         )
@@ -151,6 +152,19 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
+
+    def _check_static_graph(self) -> None:
+        """DDP's static_graph and no_sync (gradient accumulation) do not mix: DDP's reducer
+        fails with an internal assert on the first accumulated step. Refused before training,
+        also when an elastic resume turns accumulation on by itself."""
+        if self.cfg.ddp_static_graph and self.dist.is_distributed and self.accum_steps > 1:
+            raise ConfigError(
+                f"trainer.ddp_static_graph=true does not work with gradient accumulation ({self.accum_steps} "
+                f"micro-batches per step on {self.dist.world_size} processes"
+                + ("" if self.accum_steps == self.cfg.grad_accum_steps else
+                   ", chosen to keep the snapshot's global batch on this world size")
+                + "): set trainer.ddp_static_graph=false"
+            )
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -201,14 +215,30 @@ class Trainer:
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
-        saved_world = snapshot["world_size"]
-        if saved_world != self.dist.world_size:
-            self._keep_global_batch(snapshot["global_batch"], saved_world)
+        self._resume_global_batch(snapshot)
         rng_per_rank = snapshot["rng"]
         if len(rng_per_rank) == self.dist.world_size:
             set_rng_state(rng_per_rank[self.dist.rank])
         else:  # new ranks have no saved stream: derive one that any rerun would derive too
             seed_everything(self.cfg.seed + 1000 * self.dist.rank + self.state.step)
+
+    def _resume_global_batch(self, snapshot: dict[str, Any]) -> None:
+        """The global batch is the run's, not this launch's: keep the snapshot's, on every
+        later resume too (after 2 -> 1 workers the config alone would give half of it), unless
+        trainer.batch_size or trainer.grad_accum_steps were changed since the snapshot's run."""
+        saved_world, saved_global = snapshot["world_size"], snapshot["global_batch"]
+        saved_cfg = snapshot.get("config", {}).get("trainer", {})
+        saved_choice = (saved_cfg.get("batch_size"), saved_cfg.get("grad_accum_steps"))
+        if None not in saved_choice and saved_choice != (self.cfg.batch_size, self.cfg.grad_accum_steps):
+            if self.global_batch != saved_global:
+                self.metrics.note(
+                    f"global batch changed from {saved_global} to {self.global_batch} by the override of "
+                    f"trainer.batch_size/grad_accum_steps (was {saved_choice[0]} x {saved_choice[1]}); the LR schedule "
+                    "and the planned steps follow the new batch"
+                )
+        elif saved_world != self.dist.world_size or saved_global != self.global_batch:
+            self._keep_global_batch(saved_global, saved_world)
+        self._check_static_graph()
 
     def _keep_global_batch(self, global_batch: int, saved_world: int) -> None:
         """After an elastic change of world size, keep the global batch (and so the LR
@@ -228,8 +258,10 @@ class Trainer:
                 f"split evenly over {world} processes: resume with a world size that divides it"
             )
         self.total_steps = self.planned_steps()
+        why = (f"world size changed from {saved_world} to {world}" if saved_world != world
+               else f"world size {world} as when the run's global batch was set")
         self.metrics.note(
-            f"world size changed from {saved_world} to {world}: global batch {global_batch} kept; "
+            f"{why}: global batch {global_batch} kept; "
             f"batch_size x grad_accum_steps per process {before[0]} x {before[1]} -> "
             f"{self.micro_batch} x {self.accum_steps}"
         )
@@ -440,5 +472,10 @@ class Trainer:
         prints = distributed.all_gather_object(parameter_fingerprint(self.model))
         if len(set(prints)) == 1:
             self.metrics.note(f"parameters identical on all {len(prints)} rank(s) (sha256 {prints[0]})")
-        elif self.dist.is_main:
-            log.error("parameters differ between ranks: %s", prints)
+            return
+        by_rank = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
+        raise ConfigError(  # every rank raises it: the run ends with a non-zero exit, not a log line
+            f"parameters differ between ranks at the end of training ({by_rank}): the replicas diverged "
+            "(different code or data on some nodes, or a hardware fault); the last snapshot holds rank 0's "
+            "weights: compare the nodes' environments before trusting it"
+        )

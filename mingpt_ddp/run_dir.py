@@ -1,0 +1,72 @@
+"""Check the run (or sweep) directory before Hydra writes into it.
+
+Hydra creates ``hydra.run.dir`` and writes ``.hydra/`` and ``main.log`` there before any
+of our code runs; an unwritable directory (a typo, a read-only mount) would end in three
+of Hydra's own ``FileNotFoundError`` tracebacks. This callback (registered in
+conf/config.yaml) runs first and answers with one line naming the key to change.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from mingpt_ddp import storage
+from mingpt_ddp.errors import ConfigError
+
+
+def check_writable_dir(path: str, key: str) -> None:
+    """Create `path` if needed and prove a file can be written there, or raise a ConfigError."""
+    probe = os.path.join(path, f".write-test-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write to the {'sweep' if 'sweep' in key else 'run'} directory {path} "
+            f"({exc.strerror or type(exc).__name__}): set {key}=<a writable directory>"
+        ) from None
+
+
+def refuse_a_live_run(config: DictConfig) -> None:
+    """A live run of another job in this (local) run directory: refuse before Hydra writes
+    its `.hydra/` files over the live run's. Object stores are checked by the trainer."""
+    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.snapshot import SnapshotStore
+
+    path = config.trainer.get("snapshot_path") or os.path.join(str(config.hydra.run.dir), "snapshot.pt")
+    if "://" in str(path) and not str(path).startswith("file://"):
+        return
+    RunLock(SnapshotStore(str(path))).check_free()
+
+
+def _refuse(exc: ConfigError) -> None:
+    """Exit as main() does for a ConfigError: one line from rank 0, code 2."""
+    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+        print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+    sys.exit(ConfigError.exit_code)
+
+
+class RunDirCheck(Callback):
+    """Hydra callback: refuse an unwritable run or sweep directory before Hydra uses it."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        storage.redact_logs()
+        try:
+            check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
+            refuse_a_live_run(config)
+        except ConfigError as exc:
+            _refuse(exc)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        storage.redact_logs()
+        try:
+            check_writable_dir(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+        except ConfigError as exc:
+            _refuse(exc)

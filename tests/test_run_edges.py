@@ -1,0 +1,436 @@
+"""Issue 11: the edges of long cluster runs, each with real processes where it matters:
+ranks resuming different snapshots, the run's global batch over resizes, static graph with
+accumulation, retention next to damaged files, sweeps failing on some ranks, sampling
+options, URL secrets, seeding, unwritable run directories, exiting cleanly, one live run
+per run directory."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, run_cli, s3_options
+from test_fault_tolerance import children, metrics_lines, wait_for
+
+
+def args(run_dir, corpus, *extra):
+    return [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", *extra]
+
+
+def must_pass(proc):
+    assert proc.returncode == 0, output(proc)
+    return output(proc)
+
+
+def error_lines(text):
+    """`error: ...` lines, also as `[rank N] error: ...` (printed by the first rank to report it)."""
+    return [line.split("] ", 1)[1] if line.startswith("[rank ") else line for line in text.splitlines()
+            if line.startswith("error:") or (line.startswith("[rank ") and "] error: " in line)]
+
+
+def expect_config_error(proc, *phrases):
+    """Exit code 2 (torchrun: 1, its workers' 2), one `error:` line, no traceback of ours."""
+    text = output(proc)
+    if proc.args[0] == TORCHRUN:
+        assert proc.returncode == 1 and "exitcode  : 2" in text, text
+        assert f'File "{REPO / "mingpt_ddp"}' not in text, text
+    else:
+        assert proc.returncode == 2 and "Traceback" not in text, text
+    assert len(error_lines(text)) == 1, text  # one line, from one rank
+    for phrase in phrases:
+        assert phrase in error_lines(text)[0], text
+    return error_lines(text)[0]
+
+
+# ---- 1. every rank resumes from the same snapshot ------------------------------------------
+@pytest.mark.slow
+def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_corpus):
+    per_rank = f"trainer.snapshot_path={tmp_path}/snap_${{oc.env:RANK}}/snapshot.pt"  # each rank its own "disk"
+    must_pass(run_cli(args(tmp_path / "run", small_corpus, per_rank, "trainer.max_steps=4"), nproc=2))
+    start = time.monotonic()
+    proc = run_cli(args(tmp_path / "run", small_corpus, per_rank, "trainer.max_steps=8"), nproc=2, timeout=120)
+    line = expect_config_error(proc, "rank 0: step 4 from", "rank 1: no snapshot", "trainer.snapshot_path",
+                               "every node can read")
+    assert time.monotonic() - start < 60, line
+    assert load_snapshot(tmp_path / "snap_0" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
+
+
+@pytest.mark.slow
+def test_parameters_that_differ_at_the_end_are_an_error(tmp_path, small_corpus):
+    """Rank 1's weights really differ (nudged after training, in our code, not torch's)."""
+    script = tmp_path / "diverging.py"
+    script.write_text(
+        "import runpy, sys, torch\n"
+        "from mingpt_ddp import trainer\n"
+        "check = trainer.Trainer._check_ranks_agree\n"
+        "def nudged(self):\n"
+        "    if self.dist.rank == 1:\n"
+        "        with torch.no_grad():\n"
+        "            next(self.model.parameters()).add_(1e-3)\n"
+        "    check(self)\n"
+        "trainer.Trainer._check_ranks_agree = nudged\n"
+        f"sys.argv[0] = {MAIN!r}\n"
+        f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
+    )
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script),
+           *args(tmp_path / "run", small_corpus, "trainer.max_steps=3")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    text = output(proc)
+    assert proc.returncode != 0, text
+    assert "error: parameters differ between ranks at the end of training (rank 0: " in text, text
+
+
+# ---- 2. the global batch is the run's, kept on every later resume ----------------------------
+def stopped_run(cmd_args, nproc, log_path, run_dir):
+    """Start a run, let it train a few logged steps, stop it with SIGUSR1 (a snapshot, exit 0)."""
+    if nproc:
+        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", MAIN, *cmd_args]
+    else:
+        cmd = [PYTHON, MAIN, *cmd_args]
+    before = metrics_lines(run_dir)
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= before + 2, 180, "training progress")
+        target = children(proc.pid)[0] if nproc else proc.pid
+        os.kill(target, signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return log_path.read_text()
+
+
+def plan_of(text):
+    line = next(line for line in text.splitlines() if "steps planned" in line)
+    return line.split("global batch ")[1].split(" x ")[0], line.rsplit("; ", 1)[1]
+
+
+@pytest.mark.slow
+def test_global_batch_and_plan_survive_2_1_1_2_workers(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    common = args(run_dir, small_corpus, "trainer.max_epochs=6", "trainer.log_every=5")
+    logs = [stopped_run(common, 2, tmp_path / "a.log", run_dir),
+            stopped_run(common, 0, tmp_path / "b.log", run_dir),
+            stopped_run(common, 0, tmp_path / "c.log", run_dir),
+            stopped_run(common, 2, tmp_path / "d.log", run_dir)]
+    plans = [plan_of(text) for text in logs]
+    assert len(set(plans)) == 1 and plans[0][0] == "16", plans
+    assert "world size 1 as when the run's global batch was set: global batch 16 kept" in logs[2], logs[2]
+    assert load_snapshot(run_dir / "snapshot.pt")["global_batch"] == 16
+    # An explicit override changes it, and says so.
+    text = stopped_run([*common, "trainer.batch_size=4"], 2, tmp_path / "e.log", run_dir)
+    assert "global batch changed from 16 to 8" in text and plan_of(text)[0] == "8", text
+
+
+# ---- 3. DDP static graph with gradient accumulation ------------------------------------------
+@pytest.mark.slow
+def test_static_graph_with_accumulation_is_refused_before_training(tmp_path, small_corpus):
+    proc = run_cli(args(tmp_path / "run", small_corpus, "trainer.ddp_static_graph=true",
+                        "trainer.grad_accum_steps=2", "trainer.max_steps=4"), nproc=2, timeout=120)
+    expect_config_error(proc, "trainer.ddp_static_graph=true", "trainer.ddp_static_graph=false")
+    assert not list((tmp_path / "run").glob("snapshot*.pt"))
+
+
+@pytest.mark.slow
+def test_static_graph_refused_when_an_elastic_resume_turns_accumulation_on(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    static = "trainer.ddp_static_graph=true"
+    must_pass(run_cli(args(run_dir, small_corpus, static, "trainer.max_steps=2"), nproc=4))  # global batch 32
+    proc = run_cli(args(run_dir, small_corpus, static, "trainer.max_steps=4"), nproc=2, timeout=120)
+    expect_config_error(proc, "keep the snapshot's global batch", "trainer.ddp_static_graph=false")
+    assert load_snapshot(run_dir / "snapshot.pt")["train_state"]["step"] == 2
+
+
+# ---- 4. retention next to a damaged snapshot -------------------------------------------------
+def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
+    from mingpt_ddp.snapshot import SnapshotStore, encode
+
+    store = SnapshotStore(str(tmp_path / "snapshot.pt"), keep_last=2)
+    for step in (10, 20):
+        store.save(encode({"step": torch.tensor(step)}, step), step)
+    damaged = tmp_path / "snapshot.step000000020.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # the run then resumes from step 10
+    store.save(encode({"step": torch.tensor(15)}, 15), 15)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "snapshot.step000000015.pt" in names and "snapshot.step000000010.pt" in names, names
+    assert "snapshot.step000000020.pt.corrupt" in names and "snapshot.step000000020.pt" not in names, names
+    state, where = store.load_latest()
+    assert int(state["step"]) == 15 and where.endswith("snapshot.step000000015.pt")
+
+
+# ---- 5. a sweep point failing on some ranks only ---------------------------------------------
+@pytest.mark.slow
+def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path, small_corpus):
+    corpus_dir = tmp_path / "per-node"
+    corpus_dir.mkdir()
+    (corpus_dir / "corpus_0.txt").write_bytes(small_corpus.read_bytes())  # rank 1's node lacks its copy
+    sweep = tmp_path / "sweep"
+    proc = run_cli(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=3", "data.download_url=null",
+                    f"data.path={corpus_dir}/corpus_${{oc.env:RANK}}.txt", f"hydra.sweep.dir={sweep}"],
+                   nproc=2, timeout=180)
+    assert proc.returncode == 0, output(proc)
+    results = [json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")]
+    assert [r["status"] for r in results] == ["failed", "failed"], results
+    assert all("on rank(s) 1 of 2" in r["error"] and "data file not found" in r["error"] for r in results)
+
+
+# ---- 9. sampling options ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_snapshot(tmp_path_factory):
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.snapshot import encode
+
+    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0)
+    path = tmp_path_factory.mktemp("sample") / "snapshot.pt"
+    path.write_bytes(encode({"vocab": "\nabcd", "model_config": dict(vars(cfg)),
+                             "model": GPT(cfg).state_dict()}, 1))
+    return path
+
+
+@pytest.mark.parametrize("option, phrase", [("top_k=0", "top_k=0 must be at least 1"),
+                                            ("top_k=-1", "top_k=-1 must be at least 1"),
+                                            ("temperature=-1", "temperature=-1.0 must be >= 0"),
+                                            ("max_new_tokens=-5", "max_new_tokens=-5 must be >= 0")])
+def test_bad_sampling_options_are_one_clear_error(tiny_snapshot, option, phrase):
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", str(tiny_snapshot), "prompt=ab", option],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    expect_config_error(proc, phrase)
+
+
+def test_temperature_zero_is_greedy(tiny_snapshot):
+    outs = {subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", str(tiny_snapshot), "prompt=ab", "temperature=0",
+                            "max_new_tokens=20", f"seed={seed}"], capture_output=True, text=True, timeout=60,
+                           cwd=REPO).stdout for seed in (0, 1)}
+    assert len(outs) == 1 and len(next(iter(outs))) == 23
+
+
+# ---- 10. credentials in URL query strings ------------------------------------------------------
+def serving(url):
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=1).read(1)
+        return True
+    except OSError:
+        return False
+
+
+def test_url_query_secrets_are_used_but_never_shown_or_stored(tmp_path, small_corpus):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "input.txt").write_bytes(small_corpus.read_bytes())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    secrets = ("AKIASECRETCRED77", "SIGNATURE0123abcdef", "SESSIONTOKEN999", "tok42xyz")
+    url = (f"http://127.0.0.1:{port}/input.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={secrets[0]}"
+           f"&X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}&token={secrets[3]}")
+    try:
+        wait_for(lambda: serving(f"http://127.0.0.1:{port}/input.txt"), 30, "the HTTP server")
+        run_dir, target = tmp_path / "run", tmp_path / "data" / "text.txt"
+        proc = run_cli(args(run_dir, target, "trainer.max_steps=2", f"data.download_url='{url}'"))
+    finally:
+        server.terminate()
+        server.wait()
+    text = must_pass(proc)
+    assert target.read_bytes() == small_corpus.read_bytes()  # the real URL was read
+    assert "X-Amz-Signature=<redacted>" in text
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
+    for secret in secrets:
+        assert secret not in text
+        for path in written:
+            assert secret.encode() not in path.read_bytes(), path
+    stored = load_snapshot(run_dir / "snapshot.pt")["config"]["data"]["download_url"]
+    assert "X-Amz-Signature=<redacted>" in stored and stored.startswith(f"http://127.0.0.1:{port}/input.txt?")
+
+
+# ---- 11. seeding -------------------------------------------------------------------------------
+def test_a_seeds_next_epoch_is_not_the_next_seeds_epoch():
+    from mingpt_ddp.char_dataset import ResumableDistributedSampler, WindowDataset
+
+    windows = WindowDataset(torch.arange(10_000), 10)
+
+    def order(seed, epoch):
+        sampler = ResumableDistributedSampler(windows, 1, 0, seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(7, 1) != order(8, 0) and order(7, 2) != order(9, 0)
+    assert order(7, 1) == order(7, 1)  # still deterministic
+
+
+def test_measuring_peak_flops_leaves_the_global_rng_alone():
+    from mingpt_ddp import metrics
+
+    metrics._PEAK_CACHE.clear()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    metrics.measured_peak_flops(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# ---- 12. unwritable run or sweep directory ------------------------------------------------------
+@pytest.mark.parametrize("override, key", [(["hydra.run.dir=/proc/x/y"], "hydra.run.dir"),
+                                           (["-m", "hydra.sweep.dir=/proc/x/y", "trainer.seed=1,2"],
+                                            "hydra.sweep.dir")])
+def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, override, key):
+    start = time.monotonic()
+    proc = run_cli([*override, *TINY, f"data.path={small_corpus}"], cwd=tmp_path, timeout=60)
+    expect_config_error(proc, "/proc/x/y", f"set {key}=")
+    assert "FileNotFoundError" not in output(proc) and time.monotonic() - start < 30
+
+
+# ---- 13. a finished run exits cleanly --------------------------------------------------------------
+EXIT_PROBE = """
+import os, threading
+def _probe():
+    import sys
+    dist = sys.modules.get("torch.distributed")
+    alive = [t.name for t in threading.enumerate() if t is not threading.current_thread() and t.is_alive()]
+    with open(os.environ["MINGPT_EXIT_PROBE"] + "." + os.environ.get("RANK", "x"), "w") as f:
+        f.write(f"{bool(dist and dist.is_available() and dist.is_initialized())} {alive}")
+threading._register_atexit(_probe)  # runs when the main thread is done, before atexit handlers
+"""
+
+
+@pytest.mark.slow
+def test_quick_two_worker_runs_exit_cleanly_in_a_loop(tmp_path, small_corpus):
+    """The process group is gone and no thread is left when Python starts shutting down,
+    and the quick path never ends in an abort (MINGPT_EXIT_LOOP runs; 200 for the full check)."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    (probe_dir / "sitecustomize.py").write_text(EXIT_PROBE)
+    runs = int(os.environ.get("MINGPT_EXIT_LOOP", "3"))
+    for i in range(runs):
+        probe = tmp_path / f"exit{i}"
+        proc = run_cli([*TINY, f"data.path={small_corpus}", "trainer.max_steps=3"], nproc=2, cwd=tmp_path,
+                       env={"PYTHONPATH": f"{probe_dir}{os.pathsep}{REPO}", "MINGPT_EXIT_PROBE": str(probe)})
+        text = output(proc)
+        assert proc.returncode == 0 and "terminate called" not in text, text
+        for rank in (0, 1):
+            assert Path(f"{probe}.{rank}").read_text() == "False []", (rank, text)
+
+
+# ---- 14. one live run per run directory -----------------------------------------------------------
+def lock_store(path, options=None):
+    from mingpt_ddp.snapshot import SnapshotStore
+
+    return SnapshotStore(str(path), storage_options=options)
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def write_owner(lock_path: Path, **fields):
+    owner = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": None, "job": None,
+             "started": time.time() - 60, "heartbeat": time.time(), "token": "other"}
+    owner.update(fields)
+    lock_path.write_text(json.dumps(owner))
+
+
+def test_run_lock_refuses_live_owners_and_takes_over_dead_ones(tmp_path, monkeypatch):
+    from mingpt_ddp.errors import ConfigError
+    from mingpt_ddp.run_lock import RunLock
+
+    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    store = lock_store(tmp_path / "snapshot.pt")
+    lock_path = tmp_path / ".snapshot.lock"
+    first = RunLock(store)
+    first.acquire()
+    with pytest.raises(ConfigError, match=f"pid {os.getpid()}, no Slurm job or torchrun run id, since"):
+        RunLock(store).acquire()
+    first.release()
+    assert not lock_path.exists()
+
+    for stale in ({"pid": dead_pid()},  # same host, process gone (SIGKILL)
+                  {"host": "elsewhere", "heartbeat": time.time() - 3600}):  # node lost: heartbeat old
+        write_owner(lock_path, **stale)
+        lock = RunLock(store)
+        lock.acquire()
+        assert json.loads(lock_path.read_text())["token"] == lock.token
+        lock.release()
+    write_owner(lock_path, host="elsewhere", job="slurm job 77")  # alive elsewhere
+    with pytest.raises(ConfigError, match="host elsewhere, pid .*slurm job 77"):
+        RunLock(store).acquire()
+    monkeypatch.setenv("SLURM_JOB_ID", "77")  # the same job, requeued: the same run
+    mine = RunLock(store)
+    mine.acquire()
+    assert json.loads(lock_path.read_text())["token"] == mine.token
+    mine.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server_name", ["moto_s3", "seaweedfs"])
+def test_run_lock_is_a_lease_object_on_s3(request, server_name, monkeypatch):
+    from mingpt_ddp.errors import ConfigError
+    from mingpt_ddp.run_lock import RunLock
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    server = request.getfixturevalue(server_name)
+    bucket = f"lock-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(bucket)
+    store = lock_store(f"s3://{bucket}/run/snapshot.pt", s3_options(server))
+    first = RunLock(store)
+    first.acquire()
+    assert not first._create(b"{}")  # exclusive creation
+    with pytest.raises(ConfigError, match="another run is live on these snapshots"):
+        RunLock(store).acquire()
+    first.release()
+    second = RunLock(store)
+    second.acquire()
+    second.release()
+
+
+@pytest.mark.slow
+def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    first_args = args(run_dir, small_corpus, "trainer.max_epochs=100")
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen([PYTHON, MAIN, *first_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first run training")
+        start = time.monotonic()
+        second = run_cli([*first_args, "trainer.seed=4242"], nproc=2, timeout=120)
+        line = expect_config_error(second, "another run is live", f"pid {first.pid}", socket.gethostname())
+        assert time.monotonic() - start < 60, line
+        steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == sorted(steps), steps  # one writer
+        assert "4242" not in (run_dir / ".hydra" / "config.yaml").read_text()  # the live run's config kept
+        os.kill(first.pid, signal.SIGTERM)
+        assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert not (run_dir / ".snapshot.lock").exists()  # released at the end
+    # The first run SIGKILLed: its lock stays, but does not block the next run.
+    with open(tmp_path / "again.log", "w") as log:
+        again = subprocess.Popen([PYTHON, MAIN, *first_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: (run_dir / ".snapshot.lock").exists(), 120, "the lock")
+        os.killpg(again.pid, signal.SIGKILL)
+        again.wait()
+    finally:
+        if again.poll() is None:
+            os.killpg(again.pid, signal.SIGKILL)
+    text = must_pass(run_cli(args(run_dir, small_corpus, "trainer.max_steps=3", "trainer.max_epochs=100")))
+    assert "left by a run that is gone" in text
