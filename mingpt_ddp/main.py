@@ -23,8 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, storage
-from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
+from mingpt_ddp import config, distributed, storage, token_cache
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
@@ -37,19 +37,23 @@ log = logging.getLogger("mingpt_ddp")
 config.register()
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
-    """Fetch the corpus once per node (download a missing local file, or copy a remote one
-    into data.cache_dir), then read it from this node's disk on every rank."""
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
+                vocab: Optional[Vocabulary] = None) -> tuple[CharCorpus, token_cache.TokenFile]:
+    """Encode the corpus once per node into a token file in data.cache_dir (streaming;
+    remote files fetched and a missing local file downloaded first; reused while the
+    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's) gives
+    the ids instead of the text's own characters. Returns the corpus and its token file."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
-    distributed.on_main_then_share(
-        lambda: ensure_local_copy(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes),
+    token_file = distributed.on_main_then_share(
+        lambda: token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
+                                    vocab.chars if vocab is not None else None),
         dist, once_per_node=True,
     )
-    local = local_copy_path(cfg.path, cfg.cache_dir)
-    corpus = CharCorpus(read_text(local), cfg.val_fraction)
+    tokens = token_cache.open_tokens(token_file, cfg.cache_dir)
+    corpus = CharCorpus.from_tokens(tokens, Vocabulary(token_file.chars), cfg.val_fraction)
     corpus.check_block_size(cfg.block_size)
-    return corpus, local
+    return corpus, token_file
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
@@ -82,7 +86,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     distributed.on_main_then_share(store.check_writable, dist)
     found = store.load_latest()
 
-    corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
     if found is not None:
         snapshot, where = found
@@ -101,7 +105,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
                 )
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus = CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab)
+            corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
