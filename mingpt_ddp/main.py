@@ -45,11 +45,13 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
     the ids instead of the text's own characters. Returns the corpus and its token file."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
-    token_file = distributed.on_main_then_share(
-        lambda: token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
-                                    vocab.chars if vocab is not None else None),
+    made: list[token_cache.TokenFile] = []
+    distributed.on_main_then_share(
+        lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
+                                                vocab.chars if vocab is not None else None)),
         dist, once_per_node=True,
     )
+    token_file = token_cache.this_nodes_token_file(made[0] if made else None, dist)
     tokens = token_cache.open_tokens(token_file, cfg.cache_dir)
     corpus = CharCorpus.from_tokens(tokens, Vocabulary(token_file.chars), cfg.val_fraction)
     corpus.check_block_size(cfg.block_size)

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -32,7 +33,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import numpy as np
 import torch
 
-from mingpt_ddp import storage
+from mingpt_ddp import distributed, storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -470,6 +471,23 @@ def _remove_stale(directory: str, names: str, key: str) -> None:
                 pass
 
 
+def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.DistEnv) -> TokenFile:
+    """The token file this node's local rank 0 made (`made_here` on that rank, else None),
+    for every rank of the node; checked to hold the same corpus as global rank 0's. Nodes
+    may keep their own copies of the text (other modification times, so other file names),
+    never other text. Every rank takes part (one all_gather of small objects)."""
+    everyone = distributed.all_gather_object((platform.node(), made_here))
+    reference = everyone[0][1]
+    for host, made in everyone:
+        if made is not None and (made.chars, made.length) != (reference.chars, reference.length):
+            raise ConfigError(
+                f"node {host} read another text for data.path={reference.corpus} than rank 0 "
+                f"({made.length:,} characters, {len(made.chars)} distinct, against {reference.length:,} and "
+                f"{len(reference.chars)}): give every node the same files"
+            )
+    return next(made for host, made in everyone if host == platform.node() and made is not None)
+
+
 def open_tokens(token_file: TokenFile, cache_dir: Optional[str]) -> torch.Tensor:
     """The token file as a tensor backed by a copy-on-write memory map (never written):
     every process on a node shares the same page-cache pages."""
@@ -478,7 +496,7 @@ def open_tokens(token_file: TokenFile, cache_dir: Optional[str]) -> torch.Tensor
     size = os.path.getsize(path) if os.path.exists(path) else None
     if size != token_file.length * dtype.itemsize:
         raise ConfigError(
-            f"this node has no token file {path} for data.path={token_file.corpus} like rank 0's: the data changed "
-            "while the nodes read it, or data.cache_dir differs between nodes; start again with stable data"
+            f"this node's token file {path} for data.path={token_file.corpus} is missing or incomplete: "
+            "was data.cache_dir cleaned while the job started? start again"
         )
     return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(token_file.length,)))

@@ -300,3 +300,33 @@ def test_a_60mb_corpus_trains_under_torchrun_with_bounded_memory(tmp_path, shake
     assert "done: step 3" in text_out and text_out.count("into this node's token cache") == 1, text_out
     peak_gb = int(text_out.split("max_child_rss_kb")[1].split()[0]) / 2**20
     assert peak_gb < 0.7, f"peak RSS of a process {peak_gb:.2f} GB"
+
+
+@pytest.mark.slow
+def test_nodes_may_keep_their_own_copies_of_the_text_but_not_other_text(tmp_path, small_corpus):
+    """Two torchrun agents on this host stand for two nodes, each reading its own file
+    (another path, another modification time: another token file name)."""
+    import socket
+
+    copies = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    for copy in copies:
+        copy.write_bytes(small_corpus.read_bytes())
+    os.utime(copies[1], ns=(1, 1))
+
+    def two_nodes(paths, name):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(
+            [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             f"--rdzv_id={name}", MAIN, *TINY, f"hydra.run.dir={tmp_path / name}", f"data.path={path}",
+             "trainer.max_steps=2"], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for path in paths]
+        return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+    same = two_nodes(copies, "same")
+    assert all(rc == 0 for rc, _ in same), same
+    copies[1].write_text(small_corpus.read_text()[:30_000])
+    other = two_nodes(copies, "other")
+    assert all(rc != 0 for rc, _ in other), other
+    assert "read another text for data.path=" in "".join(text for _, text in other)
