@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import MAIN, REPO, TINY, TORCHRUN, output, read_metrics, run_cli, s3_options
+from conftest import MAIN, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_options
 from mingpt_ddp import char_dataset, distributed, token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, to_device
 from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
@@ -330,3 +330,18 @@ def test_nodes_may_keep_their_own_copies_of_the_text_but_not_other_text(tmp_path
     other = two_nodes(copies, "other")
     assert all(rc != 0 for rc, _ in other), other
     assert "read another text for data.path=" in "".join(text for _, text in other)
+
+
+def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path, small_corpus):
+    wide, narrow = tmp_path / "wide.txt", tmp_path / "narrow.txt"
+    wide.write_text(small_corpus.read_text() + "~{}" * 20)
+    narrow.write_text(small_corpus.read_text())
+    common = [*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = run_cli([*common, f"data.path={wide}", "trainer.max_steps=2"])
+    assert first.returncode == 0, output(first)
+    resumed = run_cli([*common, f"data.path={narrow}", "trainer.max_steps=4"])
+    assert resumed.returncode == 0 and "resumed from" in output(resumed) and "done: step 4" in output(resumed), \
+        output(resumed)
+    token_files = [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(".uint8")]
+    assert len(token_files) == 3  # the wide text, the narrow one with its own and with the snapshot's characters
+    assert load_snapshot(tmp_path / "run" / "snapshot.pt")["vocab"] == "".join(sorted(set(wide.read_text())))
