@@ -28,7 +28,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional, Union
+from typing import Any, Iterator, Mapping, Optional
 
 import numpy as np
 import torch
@@ -42,7 +42,6 @@ FORMAT = 1  # part of every cache key: a change of the file layout makes new fil
 CHUNK_BYTES = 2 << 20  # text read per step while encoding: memory stays tens of MB
 SEPARATOR = "\n"  # between consecutive files of a directory or glob
 MAX_VOCAB = 1 << 16  # ids are uint16 at most
-UNICODE_SIZE = 0x110000
 ID_DTYPES = (np.uint8, np.uint16)
 
 
@@ -260,10 +259,14 @@ def _changed(source: Source) -> ConfigError:
                        "written (or copy it somewhere stable) and start again")
 
 
-def codepoint_chunks(source: Source) -> Iterator[Union[bytes, np.ndarray]]:
-    """The file's characters a bounded chunk at a time: ASCII chunks as the bytes
-    themselves (their code points), others as a uint32 array of code points. A strict
-    UTF-8 decoder carries characters split between chunks over to the next one."""
+ASCII_BYTES = bytes(range(128))
+NON_ASCII_BYTES = bytes(range(128, 256))
+
+
+def text_chunks(source: Source) -> Iterator[tuple[bytes, Optional[str]]]:
+    """The file a bounded chunk at a time, as (UTF-8 bytes of whole characters, their
+    text): None for an ASCII chunk, whose bytes are its code points. A strict decoder
+    carries characters split between chunks over to the next one."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     try:
@@ -273,21 +276,22 @@ def codepoint_chunks(source: Source) -> Iterator[Union[bytes, np.ndarray]]:
     with f:
         while True:
             chunk = f.read(CHUNK_BYTES)
-            pending = len(decoder.getstate()[0])
+            pending = decoder.getstate()[0]
             if chunk and not pending and chunk.isascii():
-                yield chunk
+                yield chunk, None
             else:
                 try:
                     text = decoder.decode(chunk, final=not chunk)
                 except UnicodeDecodeError as exc:
-                    where = offset - pending + exc.start
+                    where = offset - len(pending) + exc.start
                     raise ConfigError(
                         f"data file {source.name} is not UTF-8 text (byte {where:,}: "
                         f"{exc.object[exc.start:exc.start + 1]!r}): convert it, e.g. "
                         "`iconv -f latin1 -t utf-8 in.txt > out.txt`, or remove it from data.path"
                     ) from None
                 if text:
-                    yield np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+                    whole = pending + chunk
+                    yield whole[:len(whole) - len(decoder.getstate()[0])], text
             if not chunk:
                 break
             offset += len(chunk)
@@ -295,26 +299,31 @@ def codepoint_chunks(source: Source) -> Iterator[Union[bytes, np.ndarray]]:
         raise _changed(source)
 
 
+def code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
 def find_characters(sources: list[Source]) -> tuple[str, int]:
-    """First pass: (the sorted distinct characters, the number of characters)."""
-    seen = np.zeros(UNICODE_SIZE, dtype=bool)
+    """First pass: (the sorted distinct characters, the number of characters). Bytes
+    already known are deleted with bytes.translate (C speed); only what is left, usually
+    nothing or a few non-ASCII characters, is looked at further."""
     seen_ascii = bytearray()
+    seen_other: set[str] = set()
     count = 0
     for source in sources:
-        for chunk in codepoint_chunks(source):
-            count += len(chunk)
-            if isinstance(chunk, bytes):
-                new = chunk.translate(None, seen_ascii)  # C speed; empty once every byte is known
-                while new:
-                    seen_ascii.append(new[0])
-                    new = new.translate(None, new[:1])
-            else:
-                seen |= np.bincount(chunk, minlength=UNICODE_SIZE).astype(bool)
-    seen[list(seen_ascii)] = True
+        for data, text in text_chunks(source):
+            count += len(data) if text is None else len(text)
+            new = data.translate(None, seen_ascii)
+            if text is not None:
+                seen_other.update(new.translate(None, ASCII_BYTES).decode("utf-8"))
+                new = new.translate(None, NON_ASCII_BYTES)
+            while new:
+                seen_ascii.append(new[0])
+                new = new.translate(None, new[:1])
     if len(sources) > 1:
-        seen[ord(SEPARATOR)] = True
+        seen_other.add(SEPARATOR)
         count += len(sources) - 1
-    return "".join(map(chr, np.flatnonzero(seen))), count
+    return "".join(sorted(seen_other.union(map(chr, seen_ascii)))), count
 
 
 def id_dtype(vocab_size: int, what: str) -> np.dtype:
@@ -339,14 +348,14 @@ def write_ids(sources: list[Source], chars: str, out) -> int:
         if i:
             table[[ord(SEPARATOR)]].tofile(out)
             written += 1
-        for chunk in codepoint_chunks(source):
-            if ascii_ids is not None and isinstance(chunk, bytes):
-                out.write(chunk.translate(ascii_ids))
+        for data, text in text_chunks(source):
+            if text is None and ascii_ids is not None:
+                out.write(data.translate(ascii_ids))
             else:
-                codes = np.frombuffer(chunk, dtype=np.uint8) if isinstance(chunk, bytes) else chunk
+                codes = np.frombuffer(data, dtype=np.uint8) if text is None else code_points(text)
                 # clip: no bounds checks (every character is in `chars`; a changed file is caught after)
                 np.take(table, codes, mode="clip").tofile(out)
-            written += len(chunk)
+            written += len(data) if text is None else len(text)
     return written
 
 

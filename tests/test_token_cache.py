@@ -139,7 +139,7 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     def must_not_read(sources):
         raise AssertionError("the text was read again")
 
-    monkeypatch.setattr(token_cache, "codepoint_chunks", must_not_read)
+    monkeypatch.setattr(token_cache, "text_chunks", must_not_read)
     _, second = load(tmp_path / "text.txt", cache)
     assert second == dataclasses.replace(first, encode_s=None)
     monkeypatch.undo()
