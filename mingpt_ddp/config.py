@@ -19,7 +19,10 @@ from omegaconf import OmegaConf
 
 from mingpt_ddp.errors import ConfigError
 
-MAX_SAVE_RETRY_MINUTES = 20.0
+# Collectives wait this long beyond the longest a rank may legitimately keep the others
+# waiting (rank 0 retrying a save or a store, see collective_timeout_minutes).
+COLLECTIVE_TIMEOUT_MARGIN_MINUTES = 5.0
+DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 20.0  # save_retry_minutes' default (15) plus the margin
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -31,7 +34,7 @@ class Precision(str, Enum):
     fp32 = "fp32"
     bf16 = "bf16"
     fp16 = "fp16"
-    auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU bf16 with AMX, else fp32
+    auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU the faster of fp32 and bf16, timed
 
 
 @dataclass
@@ -104,6 +107,11 @@ class TrainerConfig:
     save_retry_minutes: float = 15.0
     # At start, an unreachable store (snapshots, data) is retried this long, then an error.
     load_retry_minutes: float = 2.0
+    # How long a collective (and the rendezvous) waits for the other ranks before the job
+    # fails: at least the save/load retry time plus a margin, since the other ranks wait in
+    # a collective meanwhile; short enough that a rank that died under plain srun does not
+    # hold the job for long.
+    collective_timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
 
 
 @dataclass
@@ -208,10 +216,22 @@ def validate(cfg: Any) -> None:
         raise ConfigError("trainer.tensorboard=true needs TensorBoard: pip install -e '.[tensorboard]'")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    if not 0 < t.save_retry_minutes <= MAX_SAVE_RETRY_MINUTES:
-        raise ConfigError(
-            f"trainer.save_retry_minutes={t.save_retry_minutes} must be in (0, {MAX_SAVE_RETRY_MINUTES}]: at the end "
-            "of a run the other ranks wait for rank 0's last save inside a collective that times out after 30 minutes"
-        )
+    if t.save_retry_minutes <= 0:
+        raise ConfigError(f"trainer.save_retry_minutes={t.save_retry_minutes} must be positive")
     if t.load_retry_minutes < 0:
         raise ConfigError(f"trainer.load_retry_minutes={t.load_retry_minutes} must be >= 0 (0: no retries)")
+    collective_timeout_minutes(t)
+
+
+def collective_timeout_minutes(t: Any) -> float:
+    """trainer.collective_timeout_minutes, checked against what the other ranks may wait for
+    inside a collective: rank 0 retrying a save (at the end of a run) or a store at start."""
+    needed = max(t.save_retry_minutes, t.load_retry_minutes) + COLLECTIVE_TIMEOUT_MARGIN_MINUTES
+    if not t.collective_timeout_minutes >= needed:
+        raise ConfigError(
+            f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} is too short: the other ranks "
+            f"wait in a collective while rank 0 retries saving (trainer.save_retry_minutes={t.save_retry_minutes}) "
+            f"or loading (trainer.load_retry_minutes={t.load_retry_minutes}); set "
+            f"trainer.collective_timeout_minutes={needed:g} or more, or lower those"
+        )
+    return float(t.collective_timeout_minutes)

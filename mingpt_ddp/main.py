@@ -2,13 +2,14 @@
 
 The composition root: compose the config, join the process group, build data, model,
 snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user can fix
-(ConfigError) end here: one line from rank 0, exit code 2.
+(ConfigError) end here: one line from the rank that hit it, exit code 2.
 """
 from __future__ import annotations
 
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any, Optional
@@ -18,12 +19,30 @@ if __package__ in (None, ""):
     # not from whatever copy the interpreter has installed (or none, in a container image).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mingpt_ddp.dependencies import require  # noqa: E402 (standard library only)
+
+require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing one, not a traceback per rank
+
+from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE  # noqa: E402 (standard library only)
+
+
+def _stop_at_once_on_ctrl_c(signum, frame) -> None:
+    """Ctrl-C outside training (start-up, the end of a run): one line, no traceback from
+    every rank. During training the trainer turns Ctrl-C into a stop with a snapshot."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"interrupted: stopped at once (outside training there is nothing new to save)\n")
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _stop_at_once_on_ctrl_c)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, storage, token_cache
+from mingpt_ddp import cluster, config, distributed, sample, storage, token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -32,9 +51,11 @@ from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
+from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("mingpt_ddp")
 config.register()
+cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
 
 def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
@@ -130,9 +151,11 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
             trainer.load_state_dict(snapshot)
             metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
         val_loss = trainer.fit()
+        if val_loss is not None and dist.is_main:
+            metrics.note(sample.preview(model, vocab, run_dir))
     finally:
         metrics.close()
-    return ("completed" if val_loss is not None else "stopped by signal"), val_loss, store.url
+    return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -165,7 +188,17 @@ def _agreed_run_dir(dist: DistEnv) -> str:
     return run_dir
 
 
+def _report_error(message: str) -> None:
+    """One `error:` line from the rank that hit it (prefixed with its rank unless 0), once
+    when every rank hit it. Exiting non-zero then ends the job: torchrun stops the other
+    workers, srun does with --kill-on-bad-exit."""
+    rank = int(os.environ.get("RANK", "0"))
+    if distributed.first_to_report(message, HydraConfig.get().runtime.output_dir):
+        print(f"{f'[rank {rank}] ' if rank else ''}error: {message}", file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@record  # a bug's traceback reaches torchrun's failure summary, naming the rank (ConfigErrors stay one line)
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
@@ -175,14 +208,13 @@ def main(cfg: DictConfig) -> Optional[float]:
         storage.redact_logs()
         # Before anything else: Hydra has just written .hydra/ from the raw config.
         storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        dist = distributed.setup()
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+        _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
@@ -194,6 +226,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
+    if status == "stopped by SIGINT":  # Ctrl-C: the snapshot is saved; end the job (and any sweep).
+        # 130 as shells expect; 0 under torchrun, which would restart or report a failed worker.
+        sys.exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else INTERRUPTED_EXIT_CODE)
     return val_loss
 
 

@@ -506,6 +506,6 @@ def open_tokens(token_file: TokenFile, cache_dir: Optional[str]) -> torch.Tensor
     if size != token_file.length * dtype.itemsize:
         raise ConfigError(
             f"this node's token file {path} for data.path={token_file.corpus} is missing or incomplete: "
-            "was data.cache_dir cleaned while the job started? start again"
+            "does data.cache_dir differ between the processes of a node, or was it cleaned while the job started?"
         )
     return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(token_file.length,)))

@@ -24,10 +24,11 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, measured_peak_flops, mfu
+from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest
-from mingpt_ddp.snapshot import BackgroundSaver, to_cpu
+from mingpt_ddp.snapshot import BackgroundSaver
+from mingpt_ddp.throughput import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,8 @@ class Trainer:
         self.device = dist.device
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
-        self.precision = precision.resolve(cfg.precision, self.device)
+        self.precision = precision.resolve(cfg.precision, self.device, measure_cpu=lambda: distributed.broadcast_object(
+            precision.measured_cpu_choice(model, cfg.batch_size, self.block_size) if dist.is_main else None))
         if self.device.type == "cuda":
             # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
@@ -119,7 +121,7 @@ class Trainer:
         self.ddp_model = (
             DDP(
                 self.forward_model,
-                device_ids=[dist.local_rank] if self.device.type == "cuda" else None,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
                 bucket_cap_mb=cfg.ddp_bucket_cap_mb,
                 static_graph=cfg.ddp_static_graph,
@@ -140,10 +142,12 @@ class Trainer:
         self.peak_flops = distributed.broadcast_object(
             measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
         )
+        self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
         self._evaluated_windows = 0
+        self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
 
@@ -235,7 +239,7 @@ class Trainer:
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()
         if self.saver is not None:
-            self.saver.submit(to_cpu(state), self.state.step)
+            self.saver.submit(state, self.state.step)  # copies to host memory, then writes in the background
 
     # ---- the loop --------------------------------------------------------------------
     def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -295,7 +299,10 @@ class Trainer:
         for chunk in mine.split(self.micro_batch):
             x, y = to_device(self.val_windows.gather(chunk), self.device)
             with self.precision.autocast():
-                _, loss = self.forward_model(x, y)  # unwrapped: ranks may run unequal batch counts
+                # The eager model: unwrapped, as ranks may run unequal batch counts; and not
+                # the compiled one, which eval mode, no_grad and a short last batch would
+                # each make recompile (tens of seconds on a large model, every evaluation).
+                _, loss = self.model(x, y)
             totals[0] += loss.double() * len(chunk)
             totals[1] += len(chunk)
         distributed.all_reduce_sum(totals)
@@ -320,22 +327,23 @@ class Trainer:
         )
         self.model.train()
         self._last_save_time = time.monotonic()
+        # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
-            stopped_by = self._train_loop(stop_request)
-        if stopped_by:
+            self.stopped_by = self._train_loop(stop_request)
+            if self.stopped_by:
+                self.save()
+                self._wait_for_saves()
+                self.metrics.note(
+                    f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
+                    "snapshot: run the same command (same run directory) to resume"
+                )
+                return None
+            if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
+                self.evaluate(final=True)
+            self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
+                              f"validation windows of {self.block_size}")
             self.save()
             self._wait_for_saves()
-            self.metrics.note(
-                f"stopped by {stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a snapshot: "
-                "run the same command (same run directory) to resume"
-            )
-            return None
-        if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
-            self.evaluate(final=True)
-        self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} validation "
-                          f"windows of {self.block_size}")
-        self.save()
-        self._wait_for_saves()
         self._check_ranks_agree()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
@@ -346,7 +354,11 @@ class Trainer:
     def _train_loop(self, stop_request: StopRequest) -> Optional[str]:
         """The epochs and steps; returns the signal's name if the ranks agreed to stop."""
         window_loss = torch.zeros((), device=self.device)
-        window_steps, window_start = 0, time.perf_counter()
+        window_steps = 0
+        # The first window after start includes compiling the model (when compiled).
+        includes_compile = self.forward_model is not self.model
+        timer = StepTimer(self.device)  # training steps only: evaluations and saves are paused out
+        timer.resume()
         while not self.finished:
             for micro_batches in self.step_batches():
                 window_loss += self._optimizer_step(micro_batches)
@@ -358,25 +370,30 @@ class Trainer:
                     callback(self)
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 if self.state.step % self.cfg.log_every == 0:
-                    self._log_train(window_loss, window_steps, time.perf_counter() - window_start)
+                    self._log_train(window_loss, window_steps, timer.take(), includes_compile)
                     window_loss.zero_()
-                    window_steps, window_start = 0, time.perf_counter()
+                    window_steps, includes_compile = 0, False
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
                     if stop_signal:
                         return signal.Signals(stop_signal).name
                     save_now = save_now or save_due
-                if self.state.step % self.cfg.eval_every == 0:
-                    self.evaluate()
-                if save_now:
-                    self.save()
+                if self.state.step % self.cfg.eval_every == 0 or save_now:
+                    timer.pause()
+                    if self.state.step % self.cfg.eval_every == 0:
+                        self.evaluate()
+                    if save_now:
+                        self.save()
+                    timer.resume()
                 if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
                     return None
             self.state.epoch += 1
             self.state.epoch_position = 0
+            timer.pause()
             if self._evaluated_at != self.state.step:
                 self.evaluate()
             if self.state.epoch % self.cfg.save_every == 0:
                 self.save()
+            timer.resume()
         return None
 
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
@@ -402,17 +419,24 @@ class Trainer:
         if error:
             raise ConfigError(error)
 
-    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float) -> None:
+    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, includes_compile: bool = False) -> None:
+        """One metrics line; `seconds` are the window's training seconds (see StepTimer)."""
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
         tokens_per_s = steps * self.global_batch * self.block_size / max(seconds, 1e-9)
-        self.metrics.write({
+        record = {
             "step": self.state.step,
             "epoch": self.state.epoch,
             "train_loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
-        })
+        }
+        if self.datasheet_peak_flops is not None:
+            record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
+                                          self.dist.world_size)
+        if includes_compile:
+            record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
+        self.metrics.write(record)
 
     def _check_ranks_agree(self) -> None:
         """DDP keeps replicas identical; prove it at the end instead of assuming it."""
