@@ -17,7 +17,10 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             processes to leave the cores idle; the JSON records how busy they were anyway)
   peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
-  data:     steps=2000 (optimizer steps' worth of batches)
+  data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
+            (when this node had no token file yet), start-up with the token file reused,
+            peak RSS, and the node's memory for the corpus (PSS of the mapped token file
+            summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
   comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
   precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
@@ -45,6 +48,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 import torch.distributed as torch_dist
 
@@ -125,7 +129,7 @@ def bench_run_settings(cfg, total_steps: int) -> None:
     t.snapshot_every_steps = None
     t.snapshot_every_minutes = None
     # Enough epochs for the steps, without making the planner walk millions of epochs.
-    windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.exists(cfg.data.path) else 1
+    windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.isfile(cfg.data.path) else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
     per_epoch = max(1, int(windows * 0.85) // (t.batch_size * t.grad_accum_steps * world))
     t.max_epochs = total_steps // per_epoch + 2
@@ -318,11 +322,11 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
             step_s.append(now - last[0])
         last[0] = now
 
-    def evaluate_untimed(evaluate=trainer.evaluate):
+    def evaluate_untimed(*args, evaluate=trainer.evaluate, **kwargs):
         """An epoch-end evaluation between timed steps (e.g. gpt2 at block 1024 on 2 GPUs
         has 15 steps per epoch): the clock restarts after it, so no timed step holds it."""
         sync(device)
-        result = evaluate()
+        result = evaluate(*args, **kwargs)
         sync(device)
         last[0] = time.perf_counter()
         return result
@@ -378,22 +382,56 @@ def best_window(step_s: list[float]) -> float:
     return min(sum(step_s[i:i + k]) / k for i in range(len(step_s) - k + 1))
 
 
+def mapped_file_memory(path: str) -> Optional[tuple[int, int]]:
+    """(resident, proportional) bytes of this process's mappings of `path`, from Linux's
+    /proc/self/smaps: PSS splits each shared page between the processes mapping it, so the
+    PSS summed over a node's processes is the node's memory for that file."""
+    try:
+        with open("/proc/self/smaps", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    rss = pss = 0
+    inside = False
+    for line in lines:
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            inside = line.rstrip().endswith(path)
+        elif inside and line.startswith(("Rss:", "Pss:")):
+            kib = int(line.split()[1]) * 1024
+            rss, pss = (rss + kib, pss) if line.startswith("Rss:") else (rss, pss + kib)
+    return rss, pss
+
+
 def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """The trainer's own batch building (sampler order, window gather, host-to-device copy)."""
+    """The corpus (encoding, or reusing, this node's token file; start-up; memory per node)
+    and the trainer's own batch building (sampler order, window gather, host-to-device copy)."""
+    from mingpt_ddp import token_cache
+    from mingpt_ddp.main import load_corpus
+
     cfg = compose(overrides)
     steps = int(options["steps"] or 2000)
     bench_run_settings(cfg, steps)
     wait_until_quiet(float(options["wait_quiet"]), dist)
+    start = time.perf_counter()
+    _, token_file = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
+    first_load_s = time.perf_counter() - start
+    # A first Trainer takes the one-off costs of a process (peak FLOP/s, first kernels), the
+    # same for any corpus; what follows is what differs between corpora when the token file exists.
+    build_trainer(cfg, dist)
+    start = time.perf_counter()
+    load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    cached_load_s = time.perf_counter() - start
     trainer = build_trainer(cfg, dist)
     device = trainer.device
     noise = CpuNoise(dist)
     if not hasattr(trainer, "step_batches"):
         raise ConfigError("this Trainer has no public step_batches() (issue 7's trainer.py change)")
-    start = time.perf_counter()
+    batches_start = time.perf_counter()
     batches = trainer.step_batches()
     first = next(batches)
     sync(device)
-    first_s = time.perf_counter() - start
+    first_s = time.perf_counter() - batches_start
+    startup_s = all_ranks_max(time.perf_counter() - start, device)
     done, samples = 1, sum(len(x) for x, _ in first)
     while done < steps:
         try:
@@ -404,9 +442,18 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         samples += sum(len(x) for x, _ in group)
         done += 1
     sync(device)
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - batches_start
     slowest = all_ranks_max(elapsed, device)
     per_rank = samples / slowest
+    # Every page of the token file read once by every rank (an epoch does as much): the
+    # node's memory for the corpus is then what the ranks' mappings add up to.
+    trainer.corpus.tokens.max()  # (a sum would widen the whole corpus to int64 first)
+    mapped = mapped_file_memory(os.path.join(token_cache.tokens_dir(cfg.data.cache_dir), token_file.name))
+    node_pss = None
+    if mapped is not None:
+        node_pss = distributed.all_reduce_sum(torch.tensor([float(mapped[1])], dtype=torch.float64,
+                                                           device=device)).item()
+    one_node = dist.world_size == dist.local_world_size
     return {
         "block_size": trainer.block_size, "batch_size": trainer.micro_batch,
         "grad_accum_steps": trainer.accum_steps, "steps": steps,
@@ -414,6 +461,16 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         "tokens_per_s": per_rank * dist.world_size * trainer.block_size,
         "us_per_step_batch": 1e6 * slowest / steps,
         "epoch_start_ms": 1e3 * first_s,
+        "corpus": cfg.data.path, "corpus_bytes": token_file.corpus_bytes,
+        "token_file_bytes": token_file.length * np.dtype(token_file.dtype).itemsize, "token_dtype": token_file.dtype,
+        "encoded": token_file.encode_s is not None, "first_load_s": first_load_s,
+        "encode_MBps": token_file.corpus_bytes / 1e6 / token_file.encode_s if token_file.encode_s else None,
+        "cached_load_s": cached_load_s,
+        # token file reused -> corpus mapped, Trainer built, first step's batches ready
+        "startup_s": startup_s,
+        "peak_rss_bytes": int(all_ranks_max(float(peak_rss_bytes()), device)),
+        "token_map_rss_bytes": mapped[0] if mapped else None,
+        "node_token_map_pss_bytes": int(node_pss) if node_pss is not None and one_node else None,
         "other_cpu_busy": noise.fraction(),
     }
 
@@ -644,6 +701,16 @@ def report(mode: str, result: dict[str, Any]) -> None:
             ["samples/s", "samples/s/proc", "tokens/s", "us/step batch", "epoch start ms"],
             [[result["samples_per_s"], result["samples_per_s_per_process"], result["tokens_per_s"],
               result["us_per_step_batch"], result["epoch_start_ms"]]],
+        )
+        mib = lambda v: None if v is None else v / 2**20  # noqa: E731
+        print_table(
+            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file "
+            f"({'encoded now' if result['encoded'] else 'reused'})",
+            ["encode MB/s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
+             "map PSS MiB/node"],
+            [[result["encode_MBps"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
+              mib(result["peak_rss_bytes"]), mib(result["token_map_rss_bytes"]),
+              mib(result["node_token_map_pss_bytes"])]],
         )
     elif mode == "snapshot":
         b = result["best"]

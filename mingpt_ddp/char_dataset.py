@@ -1,5 +1,7 @@
 """Text to tensors: a character vocabulary, one encoded tensor, train/validation windows.
 
+(How files become that tensor, once per node and memory-mapped, is token_cache.py's.)
+
 The split is contiguous (the last `val_fraction` of the text is validation) and identical
 on every rank, and windows never cross it, so no validation character is ever trained on.
 Training windows do not overlap within an epoch; their offset changes per epoch so every
@@ -8,159 +10,13 @@ position is a window boundary in some epoch.
 from __future__ import annotations
 
 import hashlib
-import logging
-import os
-import shutil
-import tempfile
-import urllib.request
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Optional
+from typing import Iterator, Optional
 
-import fsspec
 import torch
 from torch.utils.data import Dataset, DistributedSampler
 
-from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
-
-log = logging.getLogger(__name__)
-
-
-def read_text(path: str) -> str:
-    """Read a whole UTF-8 text through fsspec (local path or URL)."""
-    try:
-        with fsspec.open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise ConfigError(
-            f"data file not found: {path}: set data.path=<a UTF-8 text file or URL>"
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(f"data.path={path} is a directory: point it at a text file") from None
-    except PermissionError as exc:
-        raise ConfigError(f"cannot read data file {path}: {exc}") from None
-    if not raw:
-        raise ConfigError(f"data file {path} is empty: put training text in it or set data.path")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"data file {path} is not UTF-8 text (byte {exc.start}: {raw[exc.start:exc.start + 1]!r}): "
-            "convert it, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`, and set data.path"
-        ) from None
-
-
-def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
-    """Fetch `url` into `dest` atomically: a reader sees the whole file or none."""
-    directory = os.path.dirname(os.path.abspath(dest))
-    os.makedirs(directory, exist_ok=True)
-    log.info("downloading %s -> %s", url, dest)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            while chunk := resp.read(1 << 20):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, dest)
-    except OSError as exc:
-        raise ConfigError(
-            f"data file {dest} is missing and downloading it from {url} failed ({exc}): "
-            f"put a UTF-8 text file at {dest}, or set data.path=<your text file>"
-        ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def is_remote(path: str) -> bool:
-    """A URL that fsspec opens with something other than the local filesystem."""
-    return "://" in path and not path.startswith("file://")
-
-
-def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "mingpt_ddp", "data")
-
-
-def local_copy_path(path: str, cache_dir: Optional[str]) -> str:
-    """Where this node reads `path` from: itself if local, else its copy in the cache,
-    named by a hash of the URL (the same name on every rank and node)."""
-    if not is_remote(path):
-        return path
-    name = path.rstrip("/").rsplit("/", 1)[-1] or "data"
-    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
-    return os.path.join(os.path.expanduser(cache_dir or default_cache_dir()), f"{digest}-{name}")
-
-
-def fetch_to_cache(url: str, storage_options: Optional[Mapping[str, Any]], local: str, retry_minutes: float) -> None:
-    """Copy remote `url` to `local` unless the copy there is of the same remote version
-    (fsspec's ``ukey``: size, ETag, modification time). Atomic: a temp file in the cache
-    directory, then os.replace; a `.source` file next to it records the version."""
-    fs, remote = storage.filesystem(url, storage_options)
-    stamp = local + ".source"
-
-    def fetch() -> None:
-        if fs.isdir(remote):
-            raise IsADirectoryError(url)
-        version = fs.ukey(remote)
-        if os.path.exists(local) and os.path.exists(stamp):
-            with open(stamp, encoding="utf-8") as f:
-                if f.read() == version:
-                    log.info("data %s: using this node's cached copy %s", url, local)
-                    return
-        directory = os.path.dirname(local)
-        os.makedirs(directory, exist_ok=True)
-        log.info("data %s: copying to this node's cache %s", url, local)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fetch-")
-        try:
-            with os.fdopen(fd, "wb") as out, fs.open(remote, "rb") as src:
-                shutil.copyfileobj(src, out, 8 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, local)
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(version)
-            os.replace(tmp, stamp)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    fs.invalidate_cache(remote)
-    try:
-        storage.retry_transient(fetch, f"copying data {url}", retry_minutes)
-    except ConfigError:
-        raise
-    except Exception as exc:
-        raise ConfigError(_fetch_error(url, local, exc, retry_minutes)) from None
-
-
-def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float) -> str:
-    cache_dir = os.path.dirname(local)
-    if isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
-        return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
-                "set data.cache_dir to a writable local directory")
-    if isinstance(exc, FileNotFoundError):
-        return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
-    if isinstance(exc, IsADirectoryError):
-        return f"data.path={url} is a directory: point it at a text file"
-    if isinstance(exc, PermissionError):
-        return (f"cannot read data file {url} ({storage.describe(exc)}): check the credentials (AWS_* environment, "
-                "AWS_PROFILE, instance role) and data.storage_options")
-    return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
-            f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
-            "credentials")
-
-
-def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[Mapping[str, Any]] = None,
-                      cache_dir: Optional[str] = None, retry_minutes: float = 0.0) -> None:
-    """Make the text readable from this node's disk: download a missing local `path` from
-    `url` when one is configured, or copy a remote `path` into the cache directory.
-    Run by one process per node (the others wait), so each node reads the store once."""
-    if is_remote(path):
-        fetch_to_cache(path, storage_options, local_copy_path(path, cache_dir), retry_minutes)
-    elif url and not os.path.exists(path):
-        download(url, path)
 
 
 def _codepoints(text: str) -> torch.Tensor:
@@ -201,8 +57,18 @@ class CharCorpus:
     """One encoded tensor of the whole text, split contiguously into train and validation."""
 
     def __init__(self, text: str, val_fraction: float, vocab: Optional[Vocabulary] = None):
-        self.vocab = vocab or Vocabulary.from_text(text)
-        self.tokens = self.vocab.encode(text)
+        vocab = vocab or Vocabulary.from_text(text)
+        self._split(vocab, vocab.encode(text), val_fraction)
+
+    @classmethod
+    def from_tokens(cls, tokens: torch.Tensor, vocab: Vocabulary, val_fraction: float) -> "CharCorpus":
+        """A corpus over ids encoded elsewhere (a memory-mapped token file): nothing copied."""
+        corpus = cls.__new__(cls)
+        corpus._split(vocab, tokens, val_fraction)
+        return corpus
+
+    def _split(self, vocab: Vocabulary, tokens: torch.Tensor, val_fraction: float) -> None:
+        self.vocab, self.tokens = vocab, tokens
         n_val = int(len(self.tokens) * val_fraction)
         self.train_tokens = self.tokens[: len(self.tokens) - n_val]
         self.val_tokens = self.tokens[len(self.tokens) - n_val :]
@@ -239,15 +105,39 @@ class WindowDataset(Dataset):
         chunk = self.tokens[start : start + self.block_size + 1].long()
         return chunk[:-1], chunk[1:]
 
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, indices: torch.Tensor) -> torch.Tensor:
+        """Windows `indices` as one contiguous (B, block_size + 1) block of the token dtype:
+        inputs are its [:, :-1], targets its [:, 1:]."""
         starts = self.offset + indices * self.block_size
-        chunks = self.tokens[starts[:, None] + self._columns].long()
-        return chunks[:, :-1], chunks[:, 1:]
+        return self.tokens[starts[:, None] + self._columns]
+
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return split_inputs_targets(self.gather(indices).long())
 
     def token_range(self, i: int) -> range:
         """The token positions window i reads (inputs and targets)."""
         start = self.offset + i * self.block_size
         return range(start, start + self.block_size + 1)
+
+
+def split_inputs_targets(block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return block[:, :-1], block[:, 1:]
+
+
+def pin(block: torch.Tensor) -> torch.Tensor:
+    return block.pin_memory()
+
+
+def to_device(block: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) as int64 on `device` from a gathered (B, T+1) block.
+
+    On CUDA the block, contiguous and still in its compact token dtype, is pinned and copied
+    once without blocking the host; widening and the shift happen on the GPU. (Pinning the
+    strided int64 views instead makes the copy go through a pageable temporary, 8x the bytes.)
+    """
+    if device.type == "cuda":
+        block = pin(block).to(device, non_blocking=True)
+    return split_inputs_targets(block.long())
 
 
 def epoch_offset(seed: int, epoch: int, block_size: int) -> int:

@@ -47,6 +47,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    # A UTF-8 text file, a directory of them or a glob (sorted, a newline between files),
+    # local or any fsspec URL.
     path: str = "data/tinyshakespeare.txt"
     block_size: int = 128
     val_fraction: float = 0.1
@@ -55,7 +57,7 @@ class DataConfig:
     # fsspec options for a remote `path` (endpoint, profile, ...); secrets only from the
     # environment: ${oc.env:VAR}, never written literally (see storage.py).
     storage_options: Dict[str, Any] = field(default_factory=dict)
-    # Where each node keeps its one copy of a remote `path`; null: $MINGPT_DDP_CACHE, else
+    # Where each node keeps its token file (and its copy of remote files); null: $MINGPT_DDP_CACHE, else
     # $XDG_CACHE_HOME/mingpt_ddp/data, else ~/.cache/mingpt_ddp/data.
     cache_dir: Optional[str] = None
 
@@ -84,7 +86,11 @@ class TrainerConfig:
     precision: Precision = Precision.auto
     grad_clip: float = 1.0
     eval_every: int = 250
-    eval_batches: Optional[int] = None
+    # Validation batches per rank in a periodic evaluation (the first ones of the split):
+    # seconds even on a big corpus. null: the whole split every time.
+    eval_batches: Optional[int] = 100
+    # The same for the evaluation at the end of a run (its val_loss is the run's result).
+    final_eval_batches: Optional[int] = None
     log_every: int = 10
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
@@ -203,8 +209,9 @@ def validate(cfg: Any) -> None:
     _positive(t.grad_accum_steps, "trainer.grad_accum_steps", "set trainer.grad_accum_steps=1 or more")
     for name in ("eval_every", "log_every", "save_every", "keep_last"):
         _positive(t[name], f"trainer.{name}", f"set trainer.{name} to 1 or more")
-    if t.eval_batches is not None:
-        _positive(t.eval_batches, "trainer.eval_batches", "set it to null to evaluate the whole split")
+    for name in ("eval_batches", "final_eval_batches"):
+        if t[name] is not None:
+            _positive(t[name], f"trainer.{name}", "set it to null to evaluate the whole split")
     if t.snapshot_every_steps is not None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
     if t.snapshot_every_minutes is not None:

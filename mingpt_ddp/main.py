@@ -42,8 +42,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import cluster, config, distributed, sample, storage
-from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
+from mingpt_ddp import cluster, config, distributed, sample, storage, token_cache
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
@@ -61,23 +61,29 @@ config.register()
 cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
-    """Fetch the corpus once per node (download a missing local file, or copy a remote one
-    into data.cache_dir), then read it from this node's disk on every rank."""
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
+                vocab: Optional[Vocabulary] = None) -> tuple[CharCorpus, token_cache.TokenFile]:
+    """Encode the corpus once per node into a token file in data.cache_dir (streaming;
+    remote files fetched and a missing local file downloaded first; reused while the
+    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's) gives
+    the ids instead of the text's own characters. Returns the corpus and its token file."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
+    made: list[token_cache.TokenFile] = []
     distributed.on_main_then_share(
-        lambda: ensure_local_copy(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes),
+        lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
+                                                vocab.chars if vocab is not None else None)),
         dist, once_per_node=True,
     )
-    local = local_copy_path(cfg.path, cfg.cache_dir)
+    token_file = token_cache.this_nodes_token_file(made[0] if made else None, dist)
 
-    def read() -> CharCorpus:  # each rank reads its node's copy: it may fail on some ranks only
-        corpus = CharCorpus(read_text(local), cfg.val_fraction)
+    def open_here() -> CharCorpus:  # each rank maps its node's file: it may fail on some ranks only
+        tokens = token_cache.open_tokens(token_file, cfg.cache_dir)
+        corpus = CharCorpus.from_tokens(tokens, Vocabulary(token_file.chars), cfg.val_fraction)
         corpus.check_block_size(cfg.block_size)
         return corpus
 
-    return on_every_rank(read, dist), local
+    return on_every_rank(open_here, dist), token_file
 
 
 def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
@@ -164,7 +170,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: SnapshotStore) -> tuple[str, Optional[float], str]:
     found = load_agreed_snapshot(store, dist)
 
-    corpus, text_path = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
     if found is not None:
         snapshot, where = found
@@ -183,7 +189,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: Snapsh
                 )
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus = on_every_rank(lambda: CharCorpus(read_text(text_path), cfg.data.val_fraction, vocab), dist)
+            corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)

@@ -20,7 +20,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mingpt_ddp import distributed, precision
-from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset
+from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -149,6 +149,7 @@ class Trainer:
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
+        self._evaluated_windows = 0
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
@@ -287,15 +288,11 @@ class Trainer:
         self.sampler.set_start(self.state.epoch_position)
         indices = torch.tensor(list(self.sampler), dtype=torch.long)
         per_step = self.micro_batch * self.accum_steps
-        pin = self.device.type == "cuda"
         for s in range(len(indices) // per_step):
             group = []
             for m in range(self.accum_steps):
                 chunk = indices[s * per_step + m * self.micro_batch : s * per_step + (m + 1) * self.micro_batch]
-                x, y = windows.batch(chunk)
-                if pin:
-                    x, y = x.pin_memory(), y.pin_memory()
-                group.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
+                group.append(to_device(windows.gather(chunk), self.device))
             yield group
 
     def _optimizer_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -321,16 +318,22 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return total_loss
 
+    def eval_windows(self, final: bool = False) -> int:
+        """Validation windows one evaluation reads (over all ranks): the first
+        eval_batches x batch_size x world size of the split (final_eval_batches at the end;
+        null: the whole split)."""
+        limit = self.cfg.final_eval_batches if final else self.cfg.eval_batches
+        n = len(self.val_windows)
+        return n if limit is None else min(n, limit * self.micro_batch * self.dist.world_size)
+
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, final: bool = False) -> float:
         """Mean validation loss over all ranks' windows, dropout off."""
         self.model.eval()
-        n = len(self.val_windows)
-        mine = torch.arange(self.dist.rank, n, self.dist.world_size)
-        batches = list(mine.split(self.micro_batch))[: self.cfg.eval_batches]
+        mine = torch.arange(self.dist.rank, self.eval_windows(final), self.dist.world_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for chunk in batches:
-            x, y = (t.to(self.device) for t in self.val_windows.batch(chunk))
+        for chunk in mine.split(self.micro_batch):
+            x, y = to_device(self.val_windows.gather(chunk), self.device)
             with self.precision.autocast():
                 # The eager model: unwrapped, as ranks may run unequal batch counts; and not
                 # the compiled one, which eval mode, no_grad and a short last batch would
@@ -343,8 +346,10 @@ class Trainer:
         val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
         self.state.last_val_loss = val_loss
         self._evaluated_at = self.state.step
+        self._evaluated_windows = int(totals[1].item())
         self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
-        self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss})
+        self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss,
+                            "val_windows": self._evaluated_windows})
         return val_loss
 
     def fit(self) -> Optional[float]:
@@ -369,8 +374,10 @@ class Trainer:
                     "snapshot: run the same command (same run directory) to resume"
                 )
                 return None
-            if self._evaluated_at != self.state.step:
-                self.evaluate()
+            if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
+                self.evaluate(final=True)
+            self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
+                              f"validation windows of {self.block_size}")
             self.save()
             self._wait_for_saves()
         self._check_ranks_agree()

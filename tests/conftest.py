@@ -38,6 +38,13 @@ def corpus_path() -> Path:
     return Path(override) if override else CORPUS
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_cache_dir(tmp_path_factory) -> Path:
+    """Runs that set no data.cache_dir keep their token files here, not in ~/.cache."""
+    os.environ.setdefault("MINGPT_DDP_CACHE", str(tmp_path_factory.mktemp("token-cache")))
+    return Path(os.environ["MINGPT_DDP_CACHE"])
+
+
 @pytest.fixture(scope="session")
 def shakespeare() -> Path:
     return corpus_path()

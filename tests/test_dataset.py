@@ -8,7 +8,6 @@ from mingpt_ddp.char_dataset import (
     Vocabulary,
     WindowDataset,
     epoch_offset,
-    read_text,
 )
 from mingpt_ddp.errors import ConfigError
 
@@ -85,17 +84,6 @@ def test_sampler_shards_disjointly_and_resumes_mid_epoch_even_with_another_world
             s.set_start(60)
             resumed |= set(s)
         assert resumed <= remaining and len(remaining - resumed) < world
-
-
-def test_read_text_errors_name_the_fix(tmp_path):
-    with pytest.raises(ConfigError, match="data file not found.*data.path"):
-        read_text(str(tmp_path / "missing.txt"))
-    (tmp_path / "empty.txt").write_bytes(b"")
-    with pytest.raises(ConfigError, match="empty"):
-        read_text(str(tmp_path / "empty.txt"))
-    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
-    with pytest.raises(ConfigError, match="not UTF-8.*iconv"):
-        read_text(str(tmp_path / "latin1.txt"))
 
 
 def test_block_size_larger_than_a_split_is_refused():

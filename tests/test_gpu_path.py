@@ -36,18 +36,15 @@ def test_process_group_is_bound_to_the_gpu_only_on_cuda():
 
 
 def test_a_config_error_on_rank_1_only_is_printed_by_rank_1_and_ends_the_job_fast(tmp_path, small_corpus):
-    """A per-rank data path that only rank 0 can read: rank 1 raises alone. Before the fix
-    rank 1 exited 2 without a word."""
-    texts = tmp_path / "texts"
-    texts.mkdir()
-    (texts / "text_0.txt").write_text(small_corpus.read_text())
+    """A per-rank cache directory: the node's token file is made in rank 0's, so rank 1
+    alone finds none and raises. Before the fix rank 1 exited 2 without a word."""
     start = time.monotonic()
-    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", "data.download_url=null", "trainer.max_steps=2",
-                    f"data.path={texts}/text_${{oc.env:RANK}}.txt"], nproc=2, timeout=120)
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=2",
+                    f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}"], nproc=2, timeout=120)
     elapsed = time.monotonic() - start
     text = output(proc)
     assert proc.returncode != 0, text
-    assert text.count(f"[rank 1] error: data file not found: {texts}/text_1.txt") == 1, text
+    assert text.count(f"[rank 1] error: this node's token file {tmp_path}/cache_1/tokens/") == 1, text
     assert "\nerror:" not in text and not text.startswith("error:"), text  # rank 0 had no error to print
     assert "done:" not in text
     assert elapsed < 60, f"{elapsed:.0f} s"
@@ -250,9 +247,9 @@ def test_tokens_per_s_leaves_out_evaluations_and_saves(tmp_path, shakespeare, mo
     for name in ("evaluate", "save"):
         real = getattr(trainer, name)
 
-        def slow(real=real):
+        def slow(*args, real=real, **kwargs):
             now[0] += 100.0
-            return real()
+            return real(*args, **kwargs)
         setattr(trainer, name, slow)
 
     def step_takes_a_second(_):
@@ -361,9 +358,9 @@ def test_bench_train_keeps_epoch_end_evaluations_out_of_the_timed_steps(tmp_path
         now[0] += 1.0
         return real_step(self, micro_batches)
 
-    def evaluate(self):
+    def evaluate(self, *args, **kwargs):
         now[0] += 100.0
-        return real_evaluate(self)
+        return real_evaluate(self, *args, **kwargs)
     monkeypatch.setattr(Trainer, "_optimizer_step", step)
     monkeypatch.setattr(Trainer, "evaluate", evaluate)
     options = {**bench.OPTIONS, "steps": "12", "warmup": "1"}

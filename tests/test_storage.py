@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from conftest import s3_options
 from mingpt_ddp import storage
-from mingpt_ddp.char_dataset import ensure_local_copy, local_copy_path
+from mingpt_ddp.token_cache import ensure_local_copy, local_copy_path
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, decode, encode
 from s3_servers import READER_ACCESS_KEY, READER_SECRET_KEY, SECRET_KEY, free_ports

@@ -1,0 +1,511 @@
+"""Corpus files to one token file per node: found, encoded once, memory-mapped by every rank.
+
+`data.path` names one file, a directory (its files, not its subdirectories; names starting
+with "." are skipped) or a glob, local or any fsspec URL. The corpus is the concatenation of
+those files in sorted name order with one newline between consecutive files. Empty files
+among several are skipped with a warning; a corpus with no text at all is an error.
+
+One process per node (distributed.on_main_then_share(..., once_per_node=True)) fetches
+remote files into `data.cache_dir`, then streams the text twice in bounded chunks: the
+first pass finds the vocabulary, the second writes the ids (uint8 for at most 256
+characters, else uint16) to a token file in `<cache_dir>/tokens/`, written atomically and
+named by a hash of the sources (names, sizes, modification times or remote versions) and
+the vocabulary. A later run on the same sources reuses it without reading the text; a
+changed source makes a new one (and the stale files of the same sources are removed).
+Every rank then memory-maps the token file, so a node keeps one copy in its page cache.
+"""
+from __future__ import annotations
+
+import codecs
+import glob
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional
+
+import numpy as np
+import torch
+
+from mingpt_ddp import distributed, storage
+from mingpt_ddp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1  # part of every cache key: a change of the file layout makes new files
+CHUNK_BYTES = 2 << 20  # text read per step while encoding: memory stays tens of MB
+SEPARATOR = "\n"  # between consecutive files of a directory or glob
+MAX_VOCAB = 1 << 16  # ids are uint16 at most
+ID_DTYPES = (np.uint8, np.uint16)
+
+
+# ---- where the text comes from ------------------------------------------------------------
+def is_remote(path: str) -> bool:
+    """A URL that fsspec opens with something other than the local filesystem."""
+    return "://" in path and not path.startswith("file://")
+
+
+def default_cache_dir() -> str:
+    if os.environ.get("MINGPT_DDP_CACHE"):
+        return os.environ["MINGPT_DDP_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mingpt_ddp", "data")
+
+
+def cache_root(cache_dir: Optional[str]) -> str:
+    return os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
+
+
+def local_copy_path(path: str, cache_dir: Optional[str]) -> str:
+    """Where this node reads `path` from: itself if local, else its copy in the cache,
+    named by a hash of the URL (the same name on every rank and node)."""
+    if not is_remote(path):
+        return path
+    name = path.rstrip("/").rsplit("/", 1)[-1] or "data"
+    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+    return os.path.join(cache_root(cache_dir), f"{digest}-{name}")
+
+
+def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none."""
+    directory = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(directory, exist_ok=True)
+    log.info("downloading %s -> %s", url, dest)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, dest)
+    except OSError as exc:
+        raise ConfigError(
+            f"data file {dest} is missing and downloading it from {url} failed ({exc}): "
+            f"put a UTF-8 text file at {dest}, or set data.path=<your text file>"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def fetch_to_cache(url: str, storage_options: Optional[Mapping[str, Any]], local: str, retry_minutes: float) -> str:
+    """Copy remote `url` to `local` unless the copy there is of the same remote version
+    (fsspec's ``ukey``: size, ETag, modification time); return that version. Atomic: a
+    temp file in the cache directory, then os.replace; a `.source` file next to it records
+    the version."""
+    fs, remote = storage.filesystem(url, storage_options)
+    stamp = local + ".source"
+
+    def fetch() -> str:
+        if fs.isdir(remote):
+            raise IsADirectoryError(url)
+        version = fs.ukey(remote)
+        if os.path.exists(local) and os.path.exists(stamp):
+            with open(stamp, encoding="utf-8") as f:
+                if f.read() == version:
+                    log.info("data %s: using this node's cached copy %s", url, local)
+                    return version
+        directory = os.path.dirname(local)
+        os.makedirs(directory, exist_ok=True)
+        log.info("data %s: copying to this node's cache %s", url, local)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fetch-")
+        try:
+            with os.fdopen(fd, "wb") as out, fs.open(remote, "rb") as src:
+                shutil.copyfileobj(src, out, 8 << 20)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, local)
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(version)
+            os.replace(tmp, stamp)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return version
+
+    fs.invalidate_cache(remote)
+    try:
+        return storage.retry_transient(fetch, f"copying data {url}", retry_minutes)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(_fetch_error(url, local, exc, retry_minutes)) from None
+
+
+def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float) -> str:
+    cache_dir = os.path.dirname(local)
+    if local and isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
+        return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
+                "set data.cache_dir to a writable local directory")
+    if isinstance(exc, FileNotFoundError):
+        return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
+    if isinstance(exc, IsADirectoryError):
+        return f"data.path={url} is a directory: point it at a text file"
+    if isinstance(exc, PermissionError):
+        return (f"cannot read data file {url} ({storage.describe(exc)}): check the credentials (AWS_* environment, "
+                "AWS_PROFILE, instance role) and data.storage_options")
+    return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
+            f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
+            "credentials")
+
+
+def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[Mapping[str, Any]] = None,
+                      cache_dir: Optional[str] = None, retry_minutes: float = 0.0) -> None:
+    """Make one text file readable from this node's disk: download a missing local `path`
+    from `url` when one is configured, or copy a remote `path` into the cache directory."""
+    if is_remote(path):
+        fetch_to_cache(path, storage_options, local_copy_path(path, cache_dir), retry_minutes)
+    elif url and not os.path.exists(path):
+        download(url, path)
+
+
+def _visible_files(names: list[str], isfile) -> list[str]:
+    return sorted(n for n in names if not os.path.basename(n.rstrip("/")).startswith(".") and isfile(n))
+
+
+def list_files(path: str, storage_options: Optional[Mapping[str, Any]], retry_minutes: float) -> list[str]:
+    """The files `path` names, in sorted order: itself, a directory's files, or a glob's."""
+    if not is_remote(path):
+        local = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+        if os.path.isfile(local):
+            return [local]
+        if os.path.isdir(local):
+            files = _visible_files([os.path.join(local, n) for n in os.listdir(local)], os.path.isfile)
+            what = "directory"
+        elif glob.has_magic(local):
+            files = _visible_files(glob.glob(local), os.path.isfile)
+            what = "glob"
+        else:
+            raise ConfigError(f"data file not found: {path}: set data.path=<a UTF-8 text file, directory, glob or URL>")
+        if not files:
+            raise ConfigError(f"data.path={path}: the {what} matches no file: point data.path at your text files")
+        return files
+
+    fs, remote = storage.filesystem(path, storage_options)
+    protocol = path.split("://", 1)[0]
+
+    def listing() -> tuple[str, list[str]]:
+        fs.invalidate_cache()
+        if glob.has_magic(remote):
+            return "glob", [p for p, info in fs.glob(remote, detail=True).items() if info.get("type") == "file"]
+        if fs.isfile(remote):
+            return "file", [remote]
+        if fs.isdir(remote):
+            return "directory", [info["name"] for info in fs.ls(remote, detail=True) if info.get("type") == "file"]
+        raise FileNotFoundError(path)
+
+    try:
+        what, names = storage.retry_transient(listing, f"listing data {path}", retry_minutes)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(_fetch_error(path, "", exc, retry_minutes)) from None
+    files = _visible_files([f"{protocol}://{n}" for n in names], lambda _: True)
+    if not files:
+        raise ConfigError(f"data.path={path}: the {what} matches no file: point data.path at your text files")
+    return files
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # as the user named it (path or URL): messages and the cache key
+    local: str  # where this node reads it
+    size: int
+    version: str  # modification time (ns) of a local file, the remote version (ETag...) of a URL
+
+
+def _stat_source(name: str, local: str, version: Optional[str] = None) -> Source:
+    st = os.stat(local)
+    return Source(name, local, st.st_size, version or str(st.st_mtime_ns))
+
+
+def resolve_sources(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
+                    cache_dir: Optional[str], retry_minutes: float) -> list[Source]:
+    """The corpus's files, readable from this node's disk (downloaded or fetched first)."""
+    if not is_remote(path) and download_url and not os.path.exists(path) and not glob.has_magic(path):
+        download(download_url, path)
+    sources = []
+    for name in list_files(path, storage_options, retry_minutes):
+        if is_remote(name):
+            local = local_copy_path(name, cache_dir)
+            version = fetch_to_cache(name, storage_options, local, retry_minutes)
+            sources.append(_stat_source(name, local, version))
+        else:
+            try:
+                sources.append(_stat_source(name, name))
+            except PermissionError as exc:
+                raise ConfigError(f"cannot read data file {name}: {exc}") from None
+    text = [s for s in sources if s.size > 0]
+    if not text:
+        raise ConfigError(f"data file {path} is empty: put training text in it or set data.path"
+                          if len(sources) == 1 else
+                          f"every file data.path={path} matches is empty: put training text in them or set data.path")
+    for s in sources:
+        if s.size == 0:
+            log.warning("data file %s is empty: skipped", s.name)
+    return text
+
+
+# ---- streaming the text -----------------------------------------------------------------
+def _changed(source: Source) -> ConfigError:
+    return ConfigError(f"data file {source.name} changed while it was being encoded: wait until it is completely "
+                       "written (or copy it somewhere stable) and start again")
+
+
+ASCII_BYTES = bytes(range(128))
+NON_ASCII_BYTES = bytes(range(128, 256))
+
+
+def text_chunks(source: Source) -> Iterator[tuple[bytes, Optional[str]]]:
+    """The file a bounded chunk at a time, as (UTF-8 bytes of whole characters, their
+    text): None for an ASCII chunk, whose bytes are its code points. A strict decoder
+    carries characters split between chunks over to the next one."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    try:
+        f = open(source.local, "rb")
+    except OSError as exc:
+        raise ConfigError(f"cannot read data file {source.name}: {exc}") from None
+    with f:
+        while True:
+            chunk = f.read(CHUNK_BYTES)
+            pending = decoder.getstate()[0]
+            if chunk and not pending and chunk.isascii():
+                yield chunk, None
+            else:
+                try:
+                    text = decoder.decode(chunk, final=not chunk)
+                except UnicodeDecodeError as exc:
+                    where = offset - len(pending) + exc.start
+                    raise ConfigError(
+                        f"data file {source.name} is not UTF-8 text (byte {where:,}: "
+                        f"{exc.object[exc.start:exc.start + 1]!r}): convert it, e.g. "
+                        "`iconv -f latin1 -t utf-8 in.txt > out.txt`, or remove it from data.path"
+                    ) from None
+                if text:
+                    whole = pending + chunk
+                    yield whole[:len(whole) - len(decoder.getstate()[0])], text
+            if not chunk:
+                break
+            offset += len(chunk)
+    if offset != source.size:
+        raise _changed(source)
+
+
+def code_points(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+
+
+def find_characters(sources: list[Source]) -> tuple[str, int]:
+    """First pass: (the sorted distinct characters, the number of characters). Bytes
+    already known are deleted with bytes.translate (C speed); only what is left, usually
+    nothing or a few non-ASCII characters, is looked at further."""
+    seen_ascii = bytearray()
+    seen_other: set[str] = set()
+    count = 0
+    for source in sources:
+        for data, text in text_chunks(source):
+            count += len(data) if text is None else len(text)
+            new = data.translate(None, seen_ascii)
+            if text is not None:
+                seen_other.update(new.translate(None, ASCII_BYTES).decode("utf-8"))
+                new = new.translate(None, NON_ASCII_BYTES)
+            while new:
+                seen_ascii.append(new[0])
+                new = new.translate(None, new[:1])
+    if len(sources) > 1:
+        seen_other.add(SEPARATOR)
+        count += len(sources) - 1
+    return "".join(sorted(seen_other.union(map(chr, seen_ascii)))), count
+
+
+def id_dtype(vocab_size: int, what: str) -> np.dtype:
+    for dtype in ID_DTYPES:
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ConfigError(
+        f"{what} has {vocab_size:,} distinct characters, more than the {MAX_VOCAB:,} a character-level model's "
+        "uint16 token ids hold: check that data.path names text files (not binaries), or use fewer files"
+    )
+
+
+def write_ids(sources: list[Source], chars: str, out) -> int:
+    """Second pass: the ids of every character, chunk by chunk, into the open file `out`."""
+    dtype = id_dtype(len(chars), "the vocabulary")
+    codepoints = np.array([ord(c) for c in chars], dtype=np.int64)
+    table = np.zeros(max(256, int(codepoints.max()) + 1), dtype=dtype)
+    table[codepoints] = np.arange(len(chars), dtype=dtype)
+    ascii_ids = table[:256].tobytes() if dtype == np.uint8 else None  # a bytes.translate table
+    written = 0
+    for i, source in enumerate(sources):
+        if i:
+            table[[ord(SEPARATOR)]].tofile(out)
+            written += 1
+        for data, text in text_chunks(source):
+            if text is None and ascii_ids is not None:
+                out.write(data.translate(ascii_ids))
+            else:
+                codes = np.frombuffer(data, dtype=np.uint8) if text is None else code_points(text)
+                # clip: no bounds checks (every character is in `chars`; a changed file is caught after)
+                np.take(table, codes, mode="clip").tofile(out)
+            written += len(data) if text is None else len(text)
+    return written
+
+
+# ---- the cache ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenFile:
+    """What every rank needs to map this node's token file (shared from rank 0)."""
+
+    name: str  # file name inside <cache_dir>/tokens
+    chars: str  # the vocabulary the ids index
+    length: int  # tokens
+    dtype: str
+    corpus: str  # data.path, for messages
+    corpus_bytes: int
+    encode_s: Optional[float]  # None when an existing token file was reused
+
+
+def tokens_dir(cache_dir: Optional[str]) -> str:
+    return os.path.join(cache_root(cache_dir), "tokens")
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def _write_atomically(path: str, write) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".writing-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _check_writable(directory: str) -> None:
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the token cache in data.cache_dir={os.path.dirname(directory)} "
+                          f"({storage.describe(exc)}): set data.cache_dir to a writable local directory") from None
+
+
+def _unchanged(sources: list[Source]) -> None:
+    for s in sources:
+        try:
+            now = _stat_source(s.name, s.local, s.version if s.name != s.local else None)
+        except OSError:
+            raise _changed(s) from None
+        if (now.size, now.version) != (s.size, s.version):
+            raise _changed(s)
+
+
+def prepare(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
+            cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None) -> TokenFile:
+    """This node's token file for `path`, encoded with `vocab` (default: the text's own
+    characters); made unless an identical one exists. Run by one process per node."""
+    sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
+    directory = tokens_dir(cache_dir)
+    _check_writable(directory)
+    names = _digest([s.name for s in sources])
+    key = f"{names}-{_digest([FORMAT, [(s.name, s.size, s.version) for s in sources]])}"
+    corpus_bytes = sum(s.size for s in sources)
+    started = time.perf_counter()
+
+    meta_path = os.path.join(directory, key + ".json")
+    meta = None
+    if os.path.exists(meta_path):
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    if meta is None:
+        log.info("data %s: reading %d file(s), %.1f MB, for the vocabulary", path, len(sources), corpus_bytes / 1e6)
+        text_chars, length = find_characters(sources)
+        _unchanged(sources)
+        meta = {"format": FORMAT, "chars": text_chars, "length": length,
+                "sources": [[s.name, s.size, s.version] for s in sources]}
+        _write_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
+    chars = vocab if vocab is not None else meta["chars"]
+    outside = sorted(set(meta["chars"]) - set(chars))
+    if outside:
+        raise ConfigError(f"data.path={path} has characters outside the snapshot's vocabulary: {''.join(outside)!r}: "
+                          "resume with the text it was trained on, or start a new run")
+    dtype = id_dtype(len(chars), f"data.path={path}")
+    name = f"{key}-{_digest(chars)}.{dtype.name}"
+    token_path = os.path.join(directory, name)
+    expected = meta["length"] * dtype.itemsize
+    encode_s = None
+    if os.path.exists(token_path) and os.path.getsize(token_path) == expected:
+        log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{meta['length']:,}")
+    else:
+        written = []
+        _write_atomically(token_path, lambda out: written.append(write_ids(sources, chars, out)))
+        if written[0] != meta["length"]:
+            os.unlink(token_path)
+            raise ConfigError(f"data.path={path} changed while it was being encoded: start again once it is stable")
+        try:
+            _unchanged(sources)
+        except ConfigError:
+            os.unlink(token_path)
+            raise
+        encode_s = time.perf_counter() - started
+        log.info("data %s: encoded %.1f MB into this node's token cache %s in %.1f s (%.0f MB/s)", path,
+                 corpus_bytes / 1e6, token_path, encode_s, corpus_bytes / 1e6 / max(encode_s, 1e-9))
+    _remove_stale(directory, names, key)
+    return TokenFile(name, chars, meta["length"], dtype.name, path, corpus_bytes, encode_s)
+
+
+def _remove_stale(directory: str, names: str, key: str) -> None:
+    """Token files of earlier versions of the same sources (processes still mapping one keep
+    their mapping: unlinking does not touch it)."""
+    for entry in os.listdir(directory):
+        if entry.startswith(names + "-") and not entry.startswith(key):
+            try:
+                os.unlink(os.path.join(directory, entry))
+            except OSError:
+                pass
+
+
+def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.DistEnv) -> TokenFile:
+    """The token file this node's local rank 0 made (`made_here` on that rank, else None),
+    for every rank of the node; checked to hold the same corpus as global rank 0's. Nodes
+    may keep their own copies of the text (other modification times, so other file names),
+    never other text. Every rank takes part (one all_gather of small objects)."""
+    everyone = distributed.all_gather_object((platform.node(), made_here))
+    reference = everyone[0][1]
+    for host, made in everyone:
+        if made is not None and (made.chars, made.length) != (reference.chars, reference.length):
+            raise ConfigError(
+                f"node {host} read another text for data.path={reference.corpus} than rank 0 "
+                f"({made.length:,} characters, {len(made.chars)} distinct, against {reference.length:,} and "
+                f"{len(reference.chars)}): give every node the same files"
+            )
+    return next(made for host, made in everyone if host == platform.node() and made is not None)
+
+
+def open_tokens(token_file: TokenFile, cache_dir: Optional[str]) -> torch.Tensor:
+    """The token file as a tensor backed by a copy-on-write memory map (never written):
+    every process on a node shares the same page-cache pages."""
+    path = os.path.join(tokens_dir(cache_dir), token_file.name)
+    dtype = np.dtype(token_file.dtype)
+    size = os.path.getsize(path) if os.path.exists(path) else None
+    if size != token_file.length * dtype.itemsize:
+        raise ConfigError(
+            f"this node's token file {path} for data.path={token_file.corpus} is missing or incomplete: "
+            "does data.cache_dir differ between the processes of a node, or was it cleaned while the job started?"
+        )
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(token_file.length,)))

@@ -1,0 +1,347 @@
+"""Corpora as token files: encoded once per node by streaming, memory-mapped by every rank,
+bit-identical to encoding the whole text in memory; many files; the cache; bad input."""
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from conftest import MAIN, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_options
+from mingpt_ddp import char_dataset, distributed, token_cache
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, to_device
+from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.trainer import Trainer
+
+SINGLE = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                             device=torch.device("cpu"), backend="gloo")
+
+
+def load(path, cache, vocab=None, options=None, val_fraction=0.1):
+    """What load_corpus does on one process: the token file, mapped, as a corpus."""
+    token_file = token_cache.prepare(str(path), None, options or {}, str(cache), 0.0, vocab)
+    tokens = token_cache.open_tokens(token_file, str(cache))
+    return CharCorpus.from_tokens(tokens, Vocabulary(token_file.chars), val_fraction), token_file
+
+
+def todays_corpus(text_bytes, val_fraction=0.1, vocab=None):
+    """The code path before token files: the whole text decoded and encoded in memory."""
+    return CharCorpus(text_bytes.decode("utf-8"), val_fraction, vocab)
+
+
+def make_trainer(corpus, metrics=None, **trainer_kw):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=corpus.vocab.size, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    cfg = TrainerConfig(batch_size=4, precision=Precision("fp32"), seed=1337, **trainer_kw)
+    return Trainer(cfg, OptimizerConfig(warmup_steps=0), model, corpus, SINGLE,
+                   metrics or MetricsLog(None, enabled=False, total_steps=0), saver=None, snapshot_metadata={})
+
+
+# ---- the same results as before ------------------------------------------------------------
+def test_token_file_gives_todays_vocabulary_split_windows_order_and_losses_bit_for_bit(shakespeare, tmp_path):
+    old = todays_corpus(shakespeare.read_bytes())
+    new, token_file = load(shakespeare, tmp_path / "cache")
+    assert token_file.dtype == "uint8" and token_file.encode_s is not None
+    assert new.vocab == old.vocab
+    assert torch.equal(new.train_tokens.long(), old.train_tokens.long())
+    assert torch.equal(new.val_tokens.long(), old.val_tokens.long())
+    trainers = [make_trainer(old), make_trainer(new)]
+    for epoch in (0, 1):  # epoch 1 starts at a seeded offset
+        for t in trainers:
+            t.state.epoch = epoch
+        for old_step, new_step in zip(*(t.step_batches() for t in trainers), strict=True):
+            for (xo, yo), (xn, yn) in zip(old_step, new_step, strict=True):
+                assert torch.equal(xo, xn) and torch.equal(yo, yn) and xn.dtype == torch.long
+    for t in trainers:
+        t.state.epoch = 0
+    losses = []
+    for t in trainers:
+        torch.manual_seed(1)  # the same dropout draws
+        losses.append([t._optimizer_step(batch).item() for batch in list(t.step_batches())[:5]])
+    assert losses[0] == losses[1]  # exactly
+    assert trainers[0].evaluate() == trainers[1].evaluate()
+
+
+def test_characters_split_between_chunks_are_decoded_and_encoded_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 7)  # every multi-byte character straddles some boundary
+    text = ("naïve café, 東京 ☃ 𝄞 done.\n" * 50 + "plain ascii tail " * 20).encode()
+    (tmp_path / "t.txt").write_bytes(text)
+    new, _ = load(tmp_path / "t.txt", tmp_path / "cache")
+    old = todays_corpus(text)
+    assert new.vocab == old.vocab and torch.equal(new.tokens.long(), old.tokens.long())
+
+
+def test_more_than_256_characters_use_uint16_ids(tmp_path):
+    text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 300)).encode() * 3
+    (tmp_path / "cjk.txt").write_bytes(text)
+    new, token_file = load(tmp_path / "cjk.txt", tmp_path / "cache")
+    assert token_file.dtype == "uint16" and new.tokens.dtype == torch.uint16
+    assert torch.equal(new.tokens.long(), todays_corpus(text).tokens.long())
+
+
+# ---- many files ------------------------------------------------------------------------------
+def write_parts(directory):
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "b.txt").write_text("second file, bbb", encoding="utf-8")
+    (directory / "a.txt").write_text("first file, aaa", encoding="utf-8")
+    (directory / "c.md").write_text("third: ccc", encoding="utf-8")
+    (directory / "empty.txt").write_text("")
+    (directory / ".hidden").write_text("never read: XYZ")
+    (directory / "sub").mkdir(exist_ok=True)
+    (directory / "sub" / "nested.txt").write_text("never read: QRS")
+
+
+def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, caplog):
+    write_parts(tmp_path / "corpus")
+    with caplog.at_level(logging.WARNING):
+        whole, _ = load(tmp_path / "corpus", tmp_path / "cache")
+    assert whole.vocab.decode(whole.tokens) == "first file, aaa\nsecond file, bbb\nthird: ccc"
+    assert "empty.txt is empty: skipped" in caplog.text
+    some, _ = load(f"{tmp_path}/corpus/*.txt", tmp_path / "cache")
+    assert some.vocab.decode(some.tokens) == "first file, aaa\nsecond file, bbb"
+    assert "\n" in some.vocab.chars  # the separator is a character of the vocabulary
+
+
+def test_directory_and_glob_on_s3(seaweedfs, tmp_path):
+    bucket = f"corpus-{uuid.uuid4().hex[:10]}"
+    seaweedfs.make_bucket(bucket)
+    client = seaweedfs.client()
+    for key, body in {"books/b.txt": "second, bbb", "books/a.txt": "first, aaa", "books/notes.md": "md",
+                      "books/empty.txt": "", "books/deeper/x.txt": "never read"}.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body.encode())
+    options, cache = s3_options(seaweedfs), tmp_path / "cache"
+    whole, first = load(f"s3://{bucket}/books/", cache, options=options)
+    assert whole.vocab.decode(whole.tokens) == "first, aaa\nsecond, bbb\nmd"
+    some, _ = load(f"s3://{bucket}/books/*.txt", cache, options=options)
+    assert some.vocab.decode(some.tokens) == "first, aaa\nsecond, bbb"
+    again, second = load(f"s3://{bucket}/books/", cache, options=options)
+    assert second.encode_s is None and second.name == first.name  # nothing changed: reused
+    client.put_object(Bucket=bucket, Key="books/a.txt", Body=b"first, changed")
+    changed, third = load(f"s3://{bucket}/books/", cache, options=options)
+    assert third.name != first.name and changed.vocab.decode(changed.tokens).startswith("first, changed\n")
+    with pytest.raises(ConfigError, match="matches no file"):
+        load(f"s3://{bucket}/books/*.csv", cache, options=options)
+
+
+# ---- the cache -------------------------------------------------------------------------------
+def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_corpus, monkeypatch):
+    (tmp_path / "text.txt").write_bytes(small_corpus.read_bytes())
+    cache = tmp_path / "cache"
+    _, first = load(tmp_path / "text.txt", cache)
+    assert first.encode_s is not None
+
+    def must_not_read(sources):
+        raise AssertionError("the text was read again")
+
+    monkeypatch.setattr(token_cache, "text_chunks", must_not_read)
+    _, second = load(tmp_path / "text.txt", cache)
+    assert second == dataclasses.replace(first, encode_s=None)
+    monkeypatch.undo()
+    # The snapshot's (larger) vocabulary: another file, the first pass not repeated.
+    wider = first.chars + "~"
+    corpus, with_vocab = load(tmp_path / "text.txt", cache, vocab=wider)
+    assert with_vocab.name != first.name and corpus.vocab.chars == wider
+    assert sorted(os.listdir(cache / "tokens")) == sorted([first.name, with_vocab.name, first.name.rsplit("-", 1)[0] + ".json"])
+    with open(tmp_path / "text.txt", "a") as f:
+        f.write("more text")
+    corpus, third = load(tmp_path / "text.txt", cache)
+    assert third.name != first.name and corpus.vocab.decode(corpus.tokens[-9:]) == "more text"
+    assert first.name not in os.listdir(cache / "tokens")  # the stale version is gone
+
+
+# ---- bad input -------------------------------------------------------------------------------
+def test_bytes_that_are_not_utf8_name_the_file_and_the_offset(tmp_path, monkeypatch):
+    monkeypatch.setattr(token_cache, "CHUNK_BYTES", 1000)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("fine\n" * 10)
+    (tmp_path / "d" / "b.txt").write_bytes(("é" * 1500).encode() + "café".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"data file .*b\.txt is not UTF-8 text \(byte 3,003: b'\\xe9'\).*iconv"):
+        load(tmp_path / "d", tmp_path / "cache")
+    (tmp_path / "cut.txt").write_bytes(b"abc" + "é".encode()[:1])  # cut inside the last character
+    with pytest.raises(ConfigError, match=r"cut\.txt is not UTF-8 text \(byte 3:"):
+        load(tmp_path / "cut.txt", tmp_path / "cache")
+
+
+def test_a_directory_or_glob_that_matches_no_file(tmp_path):
+    (tmp_path / "empty_dir").mkdir()
+    with pytest.raises(ConfigError, match="the directory matches no file"):
+        load(tmp_path / "empty_dir", tmp_path / "cache")
+    with pytest.raises(ConfigError, match="the glob matches no file"):
+        load(f"{tmp_path}/*.nothing", tmp_path / "cache")
+    with pytest.raises(ConfigError, match="data file not found"):
+        load(tmp_path / "missing.txt", tmp_path / "cache")
+
+
+def test_empty_files(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("")
+    (tmp_path / "d" / "b.txt").write_text("")
+    with pytest.raises(ConfigError, match="every file data.path=.* matches is empty"):
+        load(tmp_path / "d", tmp_path / "cache")
+    with pytest.raises(ConfigError, match="a.txt is empty"):
+        load(tmp_path / "d" / "a.txt", tmp_path / "cache")
+
+
+def test_more_distinct_characters_than_uint16_ids_hold(tmp_path):
+    (tmp_path / "wide.txt").write_bytes("".join(chr(c) for c in range(0x10000, 0x10000 + 65_537)).encode())
+    with pytest.raises(ConfigError, match="has 65,537 distinct characters, more than the 65,536"):
+        load(tmp_path / "wide.txt", tmp_path / "cache")
+
+
+def test_a_cache_directory_that_is_not_writable(tmp_path, small_corpus):
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot write the token cache in data.cache_dir=.*a_file"):
+        load(small_corpus, tmp_path / "a_file")
+
+
+@pytest.mark.parametrize("during", ["find_characters", "write_ids"])
+def test_a_source_that_changes_while_being_encoded(tmp_path, monkeypatch, during):
+    path = tmp_path / "growing.txt"
+    path.write_text("the first part of a file someone is still writing\n" * 100)
+    encoding_pass = getattr(token_cache, during)
+
+    def writer_appends_meanwhile(*args):
+        result = encoding_pass(*args)
+        with open(path, "a") as f:
+            f.write("and more\n")
+        return result
+
+    monkeypatch.setattr(token_cache, during, writer_appends_meanwhile)
+    with pytest.raises(ConfigError, match="growing.txt changed while it was being encoded"):
+        load(path, tmp_path / "cache")
+    assert not [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(("uint8", "uint16"))]
+
+
+def test_bad_inputs_from_the_command_line_are_one_error_line(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("fine text\n" * 500)
+    (tmp_path / "d" / "b.txt").write_bytes(b"ok " + "é".encode("latin-1"))
+    for data_path, message in ((tmp_path / "d", "b.txt is not UTF-8 text (byte 3"),
+                               (f"{tmp_path}/*.none", "the glob matches no file")):
+        proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={data_path}",
+                        f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=2"], timeout=120)
+        assert proc.returncode == 2 and message in output(proc) and "Traceback" not in output(proc), output(proc)
+
+
+# ---- the batch copy to an accelerator (issue 12, finding 3) ------------------------------------
+def test_batches_reach_the_gpu_as_one_pinned_contiguous_copy_of_the_token_dtype(shakespeare, monkeypatch):
+    """With a CUDA device, each micro-batch is gathered as one contiguous (B, T+1) uint8
+    block, pinned, copied once non-blocking, and only then widened and shifted."""
+    corpus = todays_corpus(shakespeare.read_bytes())
+    trainer = make_trainer(corpus, grad_accum_steps=2)
+    expected = list(trainer.step_batches())[:3]
+    pinned, copies = [], []
+
+    class PinnedBlock:
+        def __init__(self, block):
+            self.block = block
+
+        def to(self, device, non_blocking=False):
+            copies.append((device, non_blocking))
+            return self.block.clone()  # stands for the device copy
+
+    def fake_pin(block):
+        pinned.append(block)
+        return PinnedBlock(block)
+
+    monkeypatch.setattr(char_dataset, "pin", fake_pin)
+    trainer.device = torch.device("cuda", 0)  # CUDA reported: the trainer takes the pinned path
+    got = list(trainer.step_batches())[:3]
+    assert len(pinned) == len(copies) == len(trainer.sampler) // 4
+    for block in pinned:
+        assert block.dtype == torch.uint8 and block.shape == (4, 17) and block.is_contiguous()
+    assert set(copies) == {(torch.device("cuda", 0), True)}
+    for step_got, step_expected in zip(got, expected, strict=True):
+        for (x, y), (xe, ye) in zip(step_got, step_expected, strict=True):
+            assert torch.equal(x, xe) and torch.equal(y, ye) and x.dtype == torch.long
+    x, y = to_device(torch.arange(12, dtype=torch.uint8).view(2, 6), torch.device("cpu"))
+    assert torch.equal(x[:, 1:], y[:, :-1]) and x.shape == (2, 5)
+
+
+# ---- evaluation on big corpora ---------------------------------------------------------------
+def test_periodic_evaluations_are_bounded_and_the_final_one_reads_the_whole_split(shakespeare, tmp_path):
+    corpus = todays_corpus(shakespeare.read_bytes())  # 4,000 validation characters: 249 windows of 16
+    metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=0)
+    trainer = make_trainer(corpus, metrics, eval_batches=3, max_steps=2, eval_every=1)
+    assert trainer.eval_windows() == 12 and trainer.eval_windows(final=True) == len(trainer.val_windows) == 249
+    trainer.fit()
+    metrics.close()
+    vals = [r for r in read_metrics(tmp_path) if "val_loss" in r]
+    assert [(r["step"], r["val_windows"]) for r in vals] == [(1, 12), (2, 12), (2, 249)]
+    bounded = make_trainer(corpus, eval_batches=3, final_eval_batches=5)
+    assert bounded.eval_windows(final=True) == 20
+
+
+# ---- a big corpus under torchrun -------------------------------------------------------------
+@pytest.mark.slow
+def test_a_60mb_corpus_trains_under_torchrun_with_bounded_memory(tmp_path, shakespeare):
+    """Before token files each process held ~14 bytes per character (0.85 GB for 60 MB on
+    top of ~0.45 GB); now the text is a shared uint8 map and encoding streams."""
+    text = shakespeare.read_bytes()
+    corpus = tmp_path / "big.txt"
+    with open(corpus, "wb") as f:
+        for _ in range(60_000_000 // len(text)):
+            f.write(text)
+    wrapper = ("import resource, subprocess, sys; rc = subprocess.call(sys.argv[1:]); "
+               "print('max_child_rss_kb', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    args = [*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.max_steps=3", "trainer.eval_batches=2", "trainer.final_eval_batches=2"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-c", wrapper, TORCHRUN, "--standalone", "--nproc_per_node=2", MAIN, *args],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    text_out = output(proc)
+    assert proc.returncode == 0, text_out
+    assert "done: step 3" in text_out and text_out.count("into this node's token cache") == 1, text_out
+    peak_gb = int(text_out.split("max_child_rss_kb")[1].split()[0]) / 2**20
+    assert peak_gb < 0.7, f"peak RSS of a process {peak_gb:.2f} GB"
+
+
+@pytest.mark.slow
+def test_nodes_may_keep_their_own_copies_of_the_text_but_not_other_text(tmp_path, small_corpus):
+    """Two torchrun agents on this host stand for two nodes, each reading its own file
+    (another path, another modification time: another token file name)."""
+    import socket
+
+    copies = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    for copy in copies:
+        copy.write_bytes(small_corpus.read_bytes())
+    os.utime(copies[1], ns=(1, 1))
+
+    def two_nodes(paths, name):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [subprocess.Popen(
+            [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             f"--rdzv_id={name}", MAIN, *TINY, f"hydra.run.dir={tmp_path / name}", f"data.path={path}",
+             "trainer.max_steps=2"], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for path in paths]
+        return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+    same = two_nodes(copies, "same")
+    assert all(rc == 0 for rc, _ in same), same
+    copies[1].write_text(small_corpus.read_text()[:30_000])
+    other = two_nodes(copies, "other")
+    assert all(rc != 0 for rc, _ in other), other
+    assert "read another text for data.path=" in "".join(text for _, text in other)
+
+
+def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path, small_corpus):
+    wide, narrow = tmp_path / "wide.txt", tmp_path / "narrow.txt"
+    wide.write_text(small_corpus.read_text() + "~{}" * 20)
+    narrow.write_text(small_corpus.read_text())
+    common = [*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    first = run_cli([*common, f"data.path={wide}", "trainer.max_steps=2"])
+    assert first.returncode == 0, output(first)
+    resumed = run_cli([*common, f"data.path={narrow}", "trainer.max_steps=4"])
+    assert resumed.returncode == 0 and "resumed from" in output(resumed) and "done: step 4" in output(resumed), \
+        output(resumed)
+    token_files = [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(".uint8")]
+    assert len(token_files) == 3  # the wide text, the narrow one with its own and with the snapshot's characters
+    assert load_snapshot(tmp_path / "run" / "snapshot.pt")["vocab"] == "".join(sorted(set(wide.read_text())))
