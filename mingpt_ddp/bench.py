@@ -4,6 +4,7 @@
     python -m mingpt_ddp.bench train model=gpt-micro data.block_size=64 trainer.batch_size=12
     python -m mingpt_ddp.bench data data.block_size=256 trainer.batch_size=16
     python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
+    python -m mingpt_ddp.bench precision model=gpt-mini              # fp32 vs bf16, auto's choice
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
@@ -22,6 +23,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
   comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
+  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
+            what trainer.precision=auto decides for this model
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP, clipping, optimizer, logging.
@@ -53,7 +56,7 @@ from mingpt_ddp import config, distributed
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
-MODES = ("peak", "train", "data", "snapshot", "comm")
+MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
@@ -618,8 +621,38 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
             "other_cpu_busy": noise.fraction()}
 
 
+def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """What `trainer.precision=auto` decides for this model on this CPU, and the fp32/bf16
+    forward+backward times behind it, at the configured batch (auto's own probe uses at
+    most 8 sequences), measured afresh (the cache is neither read nor written)."""
+    from mingpt_ddp import precision
+
+    cfg = compose([*overrides, "trainer.precision=fp32"])
+    if dist.device.type != "cpu":
+        raise ConfigError("bench precision measures CPUs: on GPUs `auto` is bf16 with native bf16, else fp16")
+    model = build_trainer(cfg, dist).model
+    batch, block = cfg.trainer.batch_size, cfg.data.block_size
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+    steps = int(options["steps"] or 3)
+    seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
+    with tempfile.TemporaryDirectory() as scratch:
+        choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
+    rows = [{"precision": name, "ms_per_pass": 1000 * s, "tokens_per_s": batch * block / s,
+             "vs_fp32": seconds["fp32"] / s} for name, s in seconds.items()]
+    return {"model": dict(_container(cfg.model)), "batch_size": batch, "block_size": block, "rows": rows,
+            "auto_choice": choice, "faster": min(seconds, key=seconds.get), "other_cpu_busy": noise.fraction()}
+
+
+def _container(node) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node)
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
+    "precision": run_precision,
 }
 
 
@@ -653,6 +686,14 @@ def report(mode: str, result: dict[str, Any]) -> None:
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+    elif mode == "precision":
+        m = result["model"]
+        print_table(f"precision: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch "
+                    f"{result['batch_size']}, forward+backward: {where}{noise}",
+                    ["precision", "ms/pass", "tokens/s", "x fp32"],
+                    [[r["precision"], r["ms_per_pass"], r["tokens_per_s"], r["vs_fp32"]] for r in result["rows"]])
+        print(f"auto chooses {result['auto_choice']} (its own probe, at most 8 sequences); faster here: "
+              f"{result['faster']}")
     elif mode == "data":
         print_table(
             f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "

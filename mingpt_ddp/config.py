@@ -78,6 +78,9 @@ class OptimizerConfig:
 class TrainerConfig:
     max_epochs: int = 5
     max_steps: Optional[int] = None
+    # Plan the run's steps from the pace of its first steps so that training ends within
+    # this many minutes (max_epochs/max_steps still cap it); the plan is kept in snapshots.
+    time_budget_minutes: Optional[float] = None
     batch_size: int = 32
     grad_accum_steps: int = 1
     precision: Precision = Precision.auto
@@ -200,6 +203,8 @@ def validate(cfg: Any) -> None:
     _positive(t.max_epochs, "trainer.max_epochs", "set trainer.max_epochs=<number of epochs>")
     if t.max_steps is not None:
         _positive(t.max_steps, "trainer.max_steps", "set trainer.max_steps=<steps> or null for no cap")
+    if t.time_budget_minutes is not None:
+        _positive(t.time_budget_minutes, "trainer.time_budget_minutes", "or set it to null to train by epochs/steps")
     _positive(t.batch_size, "trainer.batch_size", "set trainer.batch_size=<sequences per process>")
     _positive(t.grad_accum_steps, "trainer.grad_accum_steps", "set trainer.grad_accum_steps=1 or more")
     for name in ("eval_every", "log_every", "save_every", "keep_last"):

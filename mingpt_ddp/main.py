@@ -50,6 +50,7 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
+from mingpt_ddp.time_budget import TimeBudget
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -146,10 +147,12 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
             BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
         )
-        metrics.total_steps = trainer.total_steps
         if found is not None:
             trainer.load_state_dict(snapshot)
             metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
+        metrics.total_steps = trainer.total_steps
+        if cfg.trainer.time_budget_minutes:
+            trainer.step_callbacks.append(TimeBudget(cfg.trainer.time_budget_minutes))
         val_loss = trainer.fit()
         if val_loss is not None and dist.is_main:
             metrics.note(sample.preview(model, vocab, run_dir))

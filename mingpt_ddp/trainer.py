@@ -43,10 +43,12 @@ class TrainState:
     tokens_seen: int = 0
     best_val_loss: float = float("inf")
     last_val_loss: Optional[float] = None
+    planned_steps: Optional[int] = None  # steps planned from trainer.time_budget_minutes (time_budget.py)
 
 
 def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
-    return state.epoch >= cfg.max_epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+    return (state.epoch >= cfg.max_epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+            or (state.planned_steps is not None and state.step >= state.planned_steps))
 
 
 def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int) -> float:
@@ -137,7 +139,7 @@ class Trainer:
         )
         self.val_windows = WindowDataset(corpus.val_tokens, self.block_size)
         self.state = TrainState()
-        self.total_steps = self._planned_steps()
+        self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
         self.peak_flops = distributed.broadcast_object(
             measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
@@ -163,7 +165,7 @@ class Trainer:
     def steps_in_epoch(self, epoch: int) -> int:
         return self._windows_in_epoch(epoch) // self.global_batch
 
-    def _planned_steps(self) -> int:
+    def planned_steps(self) -> int:
         if self.steps_in_epoch(0) == 0:
             raise ConfigError(
                 f"one optimizer step needs {self.global_batch} training windows (batch_size "
@@ -172,7 +174,8 @@ class Trainer:
                 "lower trainer.batch_size or data.block_size, or use more text"
             )
         total = sum(self.steps_in_epoch(e) for e in range(self.cfg.max_epochs))
-        return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+        caps = [c for c in (self.cfg.max_steps, self.state.planned_steps) if c is not None]
+        return min([total, *caps])
 
     @property
     def finished(self) -> bool:
@@ -198,6 +201,7 @@ class Trainer:
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
+        self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         saved_world = snapshot["world_size"]
         if saved_world != self.dist.world_size:
             self._keep_global_batch(snapshot["global_batch"], saved_world)
@@ -224,7 +228,7 @@ class Trainer:
                 f"the snapshot's global batch of {global_batch} sequences (world size {saved_world}) cannot be "
                 f"split evenly over {world} processes: resume with a world size that divides it"
             )
-        self.total_steps = self._planned_steps()
+        self.total_steps = self.planned_steps()
         self.metrics.note(
             f"world size changed from {saved_world} to {world}: global batch {global_batch} kept; "
             f"batch_size x grad_accum_steps per process {before[0]} x {before[1]} -> "
@@ -384,7 +388,7 @@ class Trainer:
                     if save_now:
                         self.save()
                     timer.resume()
-                if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+                if self.finished:
                     return None
             self.state.epoch += 1
             self.state.epoch_position = 0

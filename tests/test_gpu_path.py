@@ -154,7 +154,8 @@ def test_first_host_of_a_slurm_hostlist(nodelist, first):
 
 def test_a_step_on_a_subset_of_nodes_dials_its_own_first_node(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so what read_topology exports is undone after the test
+        monkeypatch.delenv(var)
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-[001-004]")
     monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu-[003-004]")
     for var, value in dict(SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0",
