@@ -23,7 +23,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, storage
+from mingpt_ddp import config, distributed, loggers, profiling, storage
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -112,8 +112,11 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         "model_config": dict(vars(model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0,
-                         tensorboard_dir=os.path.join(run_dir, "tensorboard") if cfg.trainer.tensorboard else None)
+    sinks = loggers.open_sinks_on_main(cfg, metadata["config"], run_dir, dist,
+                                       previous=snapshot.get("logger_runs") if found is not None else None)
+    metadata["logger_runs"] = loggers.run_ids(sinks)  # a resume continues the same tracker runs
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
+    outcome = "failed"
     try:
         trainer = Trainer(
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
@@ -123,9 +126,11 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         if found is not None:
             trainer.load_state_dict(snapshot)
             metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
-        val_loss = trainer.fit()
+        with profiling.profile_steps(trainer, cfg.trainer, run_dir):
+            val_loss = trainer.fit()
+        outcome = "finished" if val_loss is not None else "stopped"
     finally:
-        metrics.close()
+        metrics.close(outcome)
     return ("completed" if val_loss is not None else "stopped by signal"), val_loss, store.url
 
 
