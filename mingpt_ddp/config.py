@@ -113,7 +113,7 @@ class TensorBoardLoggerConfig:
 @dataclass
 class MLflowLoggerConfig:
     enabled: bool = False  # logger=mlflow turns it on
-    # null: $MLFLOW_TRACKING_URI when set, else a file store in <run dir>/mlruns.
+    # null: $MLFLOW_TRACKING_URI when set, else a file store in <run dir>/mlruns (a sweep's: <sweep dir>/mlruns).
     tracking_uri: Optional[str] = None
     experiment: str = "mingpt-ddp"
     run_name: Optional[str] = None  # null: the run directory's name

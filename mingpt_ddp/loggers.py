@@ -121,7 +121,17 @@ class MLflowSink(Sink):
             # MLflow 3 keeps the file store in maintenance mode behind this opt-in; it is
             # the store that needs no server or database, next to the run's other files.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            self.tracking_uri = "file:" + os.path.join(os.path.abspath(run_dir), "mlruns")
+            self.tracking_uri = "file:" + os.path.join(_store_dir(run_dir), "mlruns")
+        try:
+            self._open(cfg, config, run_dir, previous)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise ConfigError(f"cannot open an MLflow run at {storage.redact(self.tracking_uri)} "
+                              f"({storage.describe(exc)}): check logger.mlflow.tracking_uri / "
+                              "MLFLOW_TRACKING_URI and that the tracking server is up") from None
+
+    def _open(self, cfg: Any, config: dict[str, Any], run_dir: str, previous: Optional[dict[str, Any]]) -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.tracking import MlflowClient
 
@@ -198,6 +208,20 @@ class WandbSink(Sink):
 
     def close(self, outcome: str) -> None:
         self.run.finish(exit_code=0 if outcome in ("finished", "stopped") else 1)
+
+
+def _store_dir(run_dir: str) -> str:
+    """Where a local tracking store goes: the run directory, or for the points of a Hydra
+    multirun their sweep directory, so that one store (one MLflow UI) shows every point."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            return os.path.abspath(HydraConfig.get().sweep.dir)
+    except ImportError:
+        pass
+    return os.path.abspath(run_dir)
 
 
 def _redacted_values(config: Any) -> Any:

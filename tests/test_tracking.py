@@ -96,6 +96,34 @@ def test_mlflow_tracking_uri_from_the_environment(tmp_path, small_corpus, monkey
     assert len(runs) == 1 and [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")] == [5]
 
 
+def test_mlflow_in_a_sweep_one_store_with_a_run_per_point(tmp_path, small_corpus, monkeypatch):
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    sweep = tmp_path / "sweep"
+    proc = subprocess_run(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
+                           f"hydra.sweep.dir={sweep}", "logger=mlflow"], 0, tracked_env())
+    assert proc.returncode == 0, output(proc)
+    assert not (sweep / "0" / "mlruns").exists()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow_tracking.MlflowClient(tracking_uri=f"file:{sweep}/mlruns")
+    runs = client.search_runs([client.get_experiment_by_name("mingpt-ddp").experiment_id])
+    assert sorted((r.info.run_name, r.data.params["trainer.seed"]) for r in runs) == [("sweep/0", "1"), ("sweep/1", "2")]
+
+
+def test_an_unreachable_mlflow_server_is_a_clear_error(tmp_path, small_corpus):
+    pytest.importorskip("mlflow")
+    import socket
+
+    with socket.socket() as s:  # a loopback port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess_run([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "logger=mlflow"],
+                          0, tracked_env(MLFLOW_TRACKING_URI=f"http://127.0.0.1:{port}",
+                                         MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="5"))
+    assert proc.returncode == 2, output(proc)
+    assert f"error: cannot open an MLflow run at http://127.0.0.1:{port}" in output(proc)
+    assert "Traceback" not in output(proc)
+
+
 def wandb_records(path):
     """The records of a .wandb file (W&B's LevelDB-style log of protobuf records)."""
     from wandb.proto import wandb_internal_pb2 as pb
