@@ -31,7 +31,7 @@ def subprocess_run(args, nproc, env):
     """Like conftest.run_cli, but with exactly `env` (run_cli adds the test's own environment)."""
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", MAIN, *args] if nproc else [PYTHON, MAIN, *args]
     return subprocess.run(cmd, cwd=REPO, env={"PYTHONUNBUFFERED": "1", **(env or tracked_env())},
-                          capture_output=True, text=True, timeout=300)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
 
 
 def train_rows(run_dir, key):
@@ -212,3 +212,12 @@ def test_profiler_trace_of_a_window_of_steps_on_rank_0(tmp_path, small_corpus):
     bad = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'bad'}", f"data.path={small_corpus}", "trainer.profile=true",
                    "trainer.profile_steps=[5,5]"])
     assert bad.returncode == 2 and "error: trainer.profile_steps=[5, 5] must be [first, last]" in output(bad)
+
+
+def test_wandb_online_without_credentials_is_a_clear_error(tmp_path, small_corpus):
+    pytest.importorskip("wandb")
+    env = tracked_env(HOME=str(tmp_path / "home"), WANDB_MODE="online")  # no API key, no ~/.netrc
+    proc = subprocess_run([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "logger=wandb"], 0, env)
+    assert proc.returncode == 2, output(proc)
+    assert "error: W&B could not start a run" in output(proc) and "WANDB_MODE=offline" in output(proc)
+    assert "Traceback" not in output(proc)
