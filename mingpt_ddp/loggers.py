@@ -118,10 +118,11 @@ class MLflowSink(Sink):
     def __init__(self, cfg: Any, config: dict[str, Any], run_dir: str, previous: Optional[dict[str, Any]]):
         self.tracking_uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not self.tracking_uri:
+            self.tracking_uri = "file:" + os.path.join(_store_dir(run_dir), "mlruns")
+        if self.tracking_uri.startswith(("file:", "/")):
             # MLflow 3 keeps the file store in maintenance mode behind this opt-in; it is
             # the store that needs no server or database, next to the run's other files.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-            self.tracking_uri = "file:" + os.path.join(_store_dir(run_dir), "mlruns")
         try:
             self._open(cfg, config, run_dir, previous)
         except ConfigError:

@@ -83,6 +83,14 @@ def test_mlflow_file_store_holds_the_run_and_a_resume_continues_it(tmp_path, sma
     assert [s for s, _ in history(resumed, "train_loss")] == [5, 10, 15, 20]
     assert resumed.data.params["trainer.max_steps"] == "10" and resumed.data.tags["resumed_with.trainer.max_steps"] == "20"
 
+    # A new run directory resuming the same snapshot path (a new Slurm job, say) finds the
+    # MLflow run id in the snapshot.
+    train(tmp_path / "next_job", small_corpus, "logger=mlflow", "trainer.max_steps=25",
+          f"trainer.snapshot_path={run_dir}/snapshot.pt", f"logger.mlflow.tracking_uri=file:{run_dir}/mlruns",
+          "+trainer.storage_options.secret=${oc.env:I13_TEST_SECRET}", nproc=0, env=env)
+    again = the_run()
+    assert again.info.run_id == run.info.run_id and [s for s, _ in history(again, "train_loss")][-1] == 25
+
 
 def test_mlflow_tracking_uri_from_the_environment(tmp_path, small_corpus, monkeypatch):
     mlflow_tracking = pytest.importorskip("mlflow.tracking")
