@@ -7,7 +7,8 @@
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
-`bench-<mode>.json`; `out=none` writes nothing). Arguments are `key=value`: the bench's own
+`outputs/bench/<mode>-<time>.json`, beside the runs and out of a checkout's tracked files;
+`out=none` writes nothing). Arguments are `key=value`: the bench's own
 options below, and otherwise Hydra overrides of the training config (`model=...`,
 `data.*`, `trainer.*`, `optimizer.*`, `experiment=...`), composed from conf/ as main.py does.
 
@@ -250,7 +251,7 @@ def print_table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 
 
 def write_json(path: Optional[str], mode: str, result: dict[str, Any]) -> None:
-    target = path if path is not None else f"bench-{mode}.json"
+    target = path if path is not None else os.path.join("outputs", "bench", f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     if target.lower() in ("none", "null", "-", ""):
         return
     Path(target).parent.mkdir(parents=True, exist_ok=True)

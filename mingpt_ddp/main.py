@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from typing import Any, Optional
@@ -18,12 +19,27 @@ if __package__ in (None, ""):
     # not from whatever copy the interpreter has installed (or none, in a container image).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE  # noqa: E402 (standard library only)
+
+
+def _stop_at_once_on_ctrl_c(signum, frame) -> None:
+    """Ctrl-C outside training (start-up, the end of a run): one line, no traceback from
+    every rank. During training the trainer turns Ctrl-C into a stop with a snapshot."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, b"interrupted: stopped at once (outside training there is nothing new to save)\n")
+    os._exit(INTERRUPTED_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, _stop_at_once_on_ctrl_c)
+
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, loggers, profiling, storage
+from mingpt_ddp import config, distributed, loggers, profiling, sample, storage
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -129,9 +145,11 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
+        if val_loss is not None and dist.is_main:
+            metrics.note(sample.preview(model, vocab, run_dir))
     finally:
         metrics.close(outcome)
-    return ("completed" if val_loss is not None else "stopped by signal"), val_loss, store.url
+    return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -193,6 +211,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
+    if status == "stopped by SIGINT":  # Ctrl-C: the snapshot is saved; end the job (and any sweep).
+        # 130 as shells expect; 0 under torchrun, which would restart or report a failed worker.
+        sys.exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else INTERRUPTED_EXIT_CODE)
     return val_loss
 
 

@@ -28,6 +28,9 @@ class MetricsLog:
         self.enabled = enabled
         self.total_steps = total_steps
         self.interactive = enabled and sys.stderr.isatty()
+        self._clock = time.monotonic
+        self._opened = self._clock()
+        self._first_progress: Optional[tuple[float, int]] = None  # (time, step) of the first train record
         self._file = open(path, "a", buffering=1) if enabled and path else None
         self.sinks = list(sinks) if enabled else []
 
@@ -47,6 +50,7 @@ class MetricsLog:
             f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
             + (f" | MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
+            + f" | {self._elapsed_and_eta(r['step'])}"
         )
         if self.interactive:
             filled = int(30 * r["step"] / max(1, self.total_steps))
@@ -54,6 +58,20 @@ class MetricsLog:
             sys.stderr.flush()
         else:
             log.info(text)
+
+    def _elapsed_and_eta(self, step: int) -> str:
+        """Wall time since the log was opened, and the time left at the pace measured since
+        the first logged step (evaluations and saves included: they are part of the run)."""
+        now = self._clock()
+        elapsed = f"elapsed {format_duration(now - self._opened)}"
+        if self._first_progress is None:
+            self._first_progress = (now, step)
+            return f"{elapsed} eta --"
+        then, first_step = self._first_progress
+        if step <= first_step or now <= then:
+            return f"{elapsed} eta --"
+        left = (self.total_steps - step) * (now - then) / (step - first_step)
+        return f"{elapsed} eta {format_duration(max(0.0, left))}"
 
     def note(self, message: str) -> None:
         """A line that must stay visible (evaluations, saves), also under a progress bar."""
@@ -72,6 +90,18 @@ class MetricsLog:
             self._file = None
         loggers.close_all(self.sinks, outcome)
         self.sinks = []
+
+
+def format_duration(seconds: float) -> str:
+    """4s, 2m05s, 1h02m: short enough for a progress line."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
 
 
 _PEAK_CACHE: dict[tuple, float] = {}

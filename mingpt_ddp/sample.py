@@ -97,5 +97,22 @@ def cli(argv: Optional[list[str]] = None) -> None:
     sys.stdout.write(text + "\n")
 
 
+@torch.no_grad()
+def preview(model: GPT, vocab: Vocabulary, run_dir: str, chars: int = 240, lines: int = 4) -> str:
+    """A few lines the model just learned to write, and the command that samples more: how a
+    run ends on rank 0. Dropout off, a fixed seed, the model left as it was found."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    start = vocab.encode("\n" if "\n" in vocab.chars else vocab.chars[0]).long()[None].to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    out = model.generate(start, chars, temperature=0.8, generator=generator)
+    model.train(was_training)
+    text = "\n".join(vocab.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
+    shown = "\n".join("    " + line for line in text.splitlines())
+    return (f"a sample of what the model writes now:\n{shown}\n"
+            f"sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")
+
+
 if __name__ == "__main__":
     cli()

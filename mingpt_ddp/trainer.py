@@ -102,7 +102,8 @@ class Trainer:
         self.device = dist.device
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
-        self.precision = precision.resolve(cfg.precision, self.device)
+        self.precision = precision.resolve(cfg.precision, self.device, measure_cpu=lambda: distributed.broadcast_object(
+            precision.measured_cpu_choice(model, cfg.batch_size, self.block_size) if dist.is_main else None))
         if self.device.type == "cuda":
             # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
@@ -143,6 +144,7 @@ class Trainer:
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
+        self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
 
@@ -315,20 +317,21 @@ class Trainer:
         )
         self.model.train()
         self._last_save_time = time.monotonic()
+        # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
-            stopped_by = self._train_loop(stop_request)
-        if stopped_by:
+            self.stopped_by = self._train_loop(stop_request)
+            if self.stopped_by:
+                self.save()
+                self._wait_for_saves()
+                self.metrics.note(
+                    f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
+                    "snapshot: run the same command (same run directory) to resume"
+                )
+                return None
+            if self._evaluated_at != self.state.step:
+                self.evaluate()
             self.save()
             self._wait_for_saves()
-            self.metrics.note(
-                f"stopped by {stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a snapshot: "
-                "run the same command (same run directory) to resume"
-            )
-            return None
-        if self._evaluated_at != self.state.step:
-            self.evaluate()
-        self.save()
-        self._wait_for_saves()
         self._check_ranks_agree()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "

@@ -87,6 +87,15 @@ def test_peak(tmp_path):
     assert result["env"]["cpu"]["cores"] >= 1
 
 
+def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "peak", "sizes=64", "seconds=0.01"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]
+    written = list((tmp_path / "outputs" / "bench").glob("peak-*.json"))
+    assert len(written) == 1 and json.loads(written[0].read_text())["peak_tflops"]
+
+
 def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
     stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
     header, rows = table(stdout)

@@ -1,0 +1,151 @@
+"""Ctrl-C: the first stops every rank at an agreed step with one snapshot and one line, a
+second aborts at once; no tracebacks, alone and under torchrun. Plus the ETA and the sample
+that end a run."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import MAIN, PYTHON, REPO, TINY
+from mingpt_ddp.metrics import MetricsLog, format_duration
+from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, SAME_CTRL_C_SECONDS, StopRequest
+
+LONG_RUN = [*TINY, "trainer.max_epochs=1000"]
+
+
+def start(args: list[str], torchrun: bool, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    """Start a run in a session of its own, as a terminal's foreground job would be."""
+    log = tmp_path / "out.log"
+    launcher = [PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2"] if torchrun else [PYTHON]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([*launcher, MAIN, *args], cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, log
+
+
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if text in log.read_text(errors="replace"):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"exited {proc.returncode} before {text!r}:\n{log.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"no {text!r} within {timeout}s:\n{log.read_text()}")
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    """What the terminal does: SIGINT to the foreground process group."""
+    os.killpg(proc.pid, signal.SIGINT)
+
+
+def snapshot_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split(".step")[1][:9]) for p in run_dir.glob("snapshot.step*.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
+def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path, small_corpus, torchrun):
+    run_dir = tmp_path / "run"
+    args = [*LONG_RUN, f"data.path={small_corpus}", f"hydra.run.dir={run_dir}"]
+    proc, log = start(args, torchrun, tmp_path)
+    wait_for_text(log, "tok/s", proc)
+    ctrl_c(proc)
+    assert proc.wait(timeout=120) == INTERRUPTED_EXIT_CODE, log.read_text()
+    text = log.read_text()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.count("stopped by SIGINT at step") == 1, text
+    stopped_at = int(text.split("stopped by SIGINT at step ")[1].split()[0])
+    assert snapshot_steps(run_dir)[-1] == stopped_at, text
+    assert "run the same command" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
+def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path, small_corpus, torchrun):
+    # Stop requests are agreed at log steps; with none due, only a second Ctrl-C ends the run.
+    run_dir = tmp_path / "run"
+    args = [*LONG_RUN, "trainer.log_every=1000000", "trainer.save_every=1000", f"data.path={small_corpus}",
+            f"hydra.run.dir={run_dir}"]
+    proc, log = start(args, torchrun, tmp_path)
+    wait_for_text(log, "steps planned", proc)
+    time.sleep(1.0)
+    ctrl_c(proc)
+    time.sleep(SAME_CTRL_C_SECONDS + 0.5)
+    assert proc.poll() is None, log.read_text()  # the first Ctrl-C waits for the next log step
+    ctrl_c(proc)
+    started = time.monotonic()
+    assert proc.wait(timeout=60) == INTERRUPTED_EXIT_CODE, log.read_text()
+    assert time.monotonic() - started < 30
+    text = log.read_text()
+    assert "interrupted again: stopping now" in text, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert snapshot_steps(run_dir) == []
+
+
+def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
+    now = [100.0]
+    aborted = []
+    stop = StopRequest(clock=lambda: now[0], abort=lambda: aborted.append(now[0]))
+    stop._handle(signal.SIGINT, None)
+    assert stop.signum == signal.SIGINT and not aborted
+    now[0] += SAME_CTRL_C_SECONDS / 10  # the same Ctrl-C, forwarded by torchrun
+    stop._handle(signal.SIGINT, None)
+    assert not aborted
+    now[0] += SAME_CTRL_C_SECONDS
+    stop._handle(signal.SIGTERM, None)  # torchrun's agent follows a second Ctrl-C with SIGTERM
+    assert aborted == [now[0]]
+
+
+def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
+    aborted = []
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        stop = StopRequest(clock=lambda: 0.0, abort=lambda: aborted.append(1))
+        stop._handle(sig, None)
+        stop._handle(sig, None)
+        assert stop.signum == sig
+    assert not aborted
+
+
+def test_progress_lines_show_elapsed_time_and_eta(caplog):
+    now = [0.0]
+    log = MetricsLog(None, enabled=True, total_steps=100)
+    log._clock = lambda: now[0]
+    log._opened = 0.0
+    record = {"epoch": 0, "train_loss": 3.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.1}
+    with caplog.at_level("INFO", logger="mingpt_ddp.train"):
+        now[0] = 5.0
+        log.write({**record, "step": 10})
+        now[0] = 25.0
+        log.write({**record, "step": 30})  # 20 steps in 20 s: 70 steps left take 70 s
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].endswith("elapsed 5s eta --"), lines
+    assert lines[1].endswith("elapsed 25s eta 1m10s"), lines
+
+
+def test_durations_read_like_a_clock():
+    assert [format_duration(s) for s in (4, 125, 3720)] == ["4s", "2m05s", "1h02m"]
+
+
+def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([PYTHON, MAIN, *TINY, f"data.path={small_corpus}", "trainer.max_steps=5",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout + proc.stderr
+    sample = out.split("a sample of what the model writes now:\n")[1]
+    lines = sample.splitlines()
+    assert lines[0].startswith("    ") and len(lines[0].strip()) > 0
+    assert f"sample more: python -m mingpt_ddp.sample {run_dir}" in out
+    vocab = set(small_corpus.read_text(encoding="utf-8"))
+    shown = [line[4:] for line in lines if line.startswith("    ")]
+    assert set("".join(shown)) <= vocab
