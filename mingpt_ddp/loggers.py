@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 RUN_IDS_FILE = "loggers.json"
 # The pip extra (pyproject.toml) and the module each tracker needs.
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 def selected(cfg: Any) -> list[str]:
@@ -37,9 +38,6 @@ def selected(cfg: Any) -> list[str]:
     if cfg.trainer.tensorboard and "tensorboard" not in names:
         names.insert(0, "tensorboard")
     return names
-
-
-WANDB_MODES = ("online", "offline", "disabled")
 
 
 def check(cfg: Any) -> None:
