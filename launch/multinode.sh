@@ -46,9 +46,24 @@
 #   DRY_RUN=1       print the topology line and the torchrun command, and run nothing
 #   NCCL_DEBUG      [WARN]; NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: the network interface
 #                   for the collectives (e.g. ens5); GLOO_SOCKET_IFNAME defaults to a plain
-#                   NCCL_SOCKET_IFNAME. FI_PROVIDER, FI_EFA_* and other fabric settings are
-#                   passed through untouched: set them as your site documents.
-#   OMP_NUM_THREADS [this node's cores / NPROC_PER_NODE]
+#                   NCCL_SOCKET_IFNAME.
+#   EFA             auto / 1 / 0 [auto: on when this node has EFA devices (`fi_info -p efa`
+#                   succeeds, or /sys/class/infiniband has a device bound to the efa driver)].
+#                   On: exports FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 on instance types
+#                   with RDMA read (p4d, p4de, p5*, p6*, trn1*, trn2*). A variable you exported
+#                   yourself is never changed; the topology line says what was set and kept.
+#   EC2_INSTANCE_TYPE  instance type for that RDMA choice [/sys/devices/virtual/dmi/id/product_name]
+#   PREFLIGHT       0 / 1 / only [0]. 1: before training, run mingpt_ddp/preflight.py through
+#                   the same torchrun topology (every node's devices and versions, an
+#                   all_reduce sweep); a failed check stops the job before training. only:
+#                   run the checks and exit. PREFLIGHT_MIN_BUSBW (GB/s, default off) and
+#                   PREFLIGHT_MAX_BYTES are read by the checks (see mingpt_ddp/preflight.py).
+#   PREFLIGHT_PORT  rendezvous port of the checks [RDZV_PORT + 1], so that a node that
+#                   finishes them first cannot meet the head's finished round
+#   OMP_NUM_THREADS [this node's cores / NPROC_PER_NODE]; TORCHINDUCTOR_COMPILE_THREADS
+#                   (torch.compile's workers per process) [the same]
+#   TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE  when set (train.sbatch does),
+#                   its directory is created on every node, for the NCCL flight recorder's dumps
 #
 # Prints one line with the resolved topology, then torchrun's and the trainer's output.
 # Exit code: torchrun's; 1 when the head cannot be reached or the setup is wrong.
@@ -130,10 +145,61 @@ export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-
 
 cores=$(nproc 2>/dev/null || echo 1)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}
+# Inductor's compile workers per process: more than its share of cores only fights the other ranks.
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$OMP_NUM_THREADS}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 if [ -n "${NCCL_SOCKET_IFNAME:-}" ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [[ $NCCL_SOCKET_IFNAME =~ ^[A-Za-z0-9_.-]+$ ]]; then
   export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
 fi
+
+# ---- EFA: the fabric settings, never overriding what the user exported ---------------------
+efa_present() {
+  local fi_info dev driver
+  for fi_info in fi_info /opt/amazon/efa/bin/fi_info; do
+    if command -v "$fi_info" >/dev/null 2>&1 && "$fi_info" -p efa >/dev/null 2>&1; then return 0; fi
+  done
+  for dev in /sys/class/infiniband/*; do
+    driver=$(readlink -f "$dev/device/driver" 2>/dev/null) || continue
+    [ "${driver##*/}" = efa ] && return 0
+  done
+  return 1
+}
+# Instance types whose EFA devices support RDMA read (GPUDirect RDMA for NCCL's OFI plugin).
+efa_rdma_capable() {
+  [[ $1 =~ ^(p4d|p4de|p5|p5e|p5en|p6[a-z0-9-]*|trn1|trn1n|trn2[a-z0-9-]*)\. ]]
+}
+EFA=${EFA:-auto}
+case "$EFA" in
+  auto) if efa_present; then efa_on=1; efa_how="auto: EFA devices found"; else efa_on=0; efa_how="auto: no EFA device"; fi ;;
+  1|on) efa_on=1; efa_how="EFA=1" ;;
+  0|off) efa_on=0; efa_how="EFA=0" ;;
+  *) die "EFA=$EFA: give auto (on when EFA devices are present), 1 or 0" ;;
+esac
+efa_notes=()
+export_unless_set() {  # NAME VALUE: export it, unless the user already did (then say it is theirs)
+  if [ -n "${!1+x}" ]; then efa_notes+=("$1=${!1} kept"); else export "$1=$2"; efa_notes+=("$1=$2 set"); fi
+}
+if ((efa_on)); then
+  export_unless_set FI_PROVIDER efa
+  instance_type=${EC2_INSTANCE_TYPE:-$(cat /sys/devices/virtual/dmi/id/product_name 2>/dev/null || true)}
+  if efa_rdma_capable "$instance_type"; then
+    export_unless_set FI_EFA_USE_DEVICE_RDMA 1
+    efa_notes+=("$instance_type has RDMA read")
+  elif [ -n "${FI_EFA_USE_DEVICE_RDMA+x}" ]; then
+    efa_notes+=("FI_EFA_USE_DEVICE_RDMA=$FI_EFA_USE_DEVICE_RDMA kept")
+  else
+    efa_notes+=("no RDMA read on ${instance_type:-an unknown instance type}: FI_EFA_USE_DEVICE_RDMA left unset")
+  fi
+  efa_state="efa=on ($efa_how; $(IFS=';'; echo "${efa_notes[*]}" | sed 's/;/, /g'))"
+else
+  efa_state="efa=off ($efa_how)"
+fi
+
+# ---- pre-flight checks ------------------------------------------------------------------
+PREFLIGHT=${PREFLIGHT:-0}
+[[ $PREFLIGHT =~ ^(0|1|only)$ ]] || die "PREFLIGHT=$PREFLIGHT: give 1 (check, then train), only (check and exit) or 0"
+PREFLIGHT_PORT=${PREFLIGHT_PORT:-$((RDZV_PORT + 1))}
+[[ $PREFLIGHT_PORT =~ ^[0-9]+$ ]] || die "PREFLIGHT_PORT=$PREFLIGHT_PORT is not a port number"
 
 # Whether this node hosts the rendezvous: Slurm's node 0 (when HEAD_NODE is the first
 # node), else HEAD_NODE names this machine or one of its addresses.
@@ -177,26 +243,34 @@ fi
 where=$host
 ((in_slurm)) && where="${SLURMD_NODENAME:-$host} (Slurm job $SLURM_JOB_ID node ${SLURM_NODEID:-?} of ${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-?}})"
 role=$( ((is_head)) && echo "hosts the rendezvous" || echo "joins" )
-log "topology: node $where $role $HEAD_NODE:$RDZV_PORT | nnodes=$NNODES nproc_per_node=$workers ($workers_from; $device) | run_id=$RUN_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s | python=$PYTHON repo=$REPO_DIR"
+log "topology: node $where $role $HEAD_NODE:$RDZV_PORT | nnodes=$NNODES nproc_per_node=$workers ($workers_from; $device) | run_id=$RUN_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s | $efa_state | preflight=$PREFLIGHT | python=$PYTHON repo=$REPO_DIR"
 
-# ---- the agent's command line ---------------------------------------------------------------
-cmd=("$PYTHON" -m torch.distributed.run
-  --nnodes="$NNODES" --nproc_per_node="$workers"
-  --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv_id="$RUN_ID"
-  --rdzv_conf="$rdzv_conf"
-  --max-restarts="$MAX_RESTARTS")
-[ -n "${LOCAL_ADDR:-}" ] && cmd+=(--local-addr="$LOCAL_ADDR")
-# shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of options, split on purpose
-[ -n "${TORCHRUN_ARGS:-}" ] && cmd+=($TORCHRUN_ARGS)
+# ---- the agents' command lines ---------------------------------------------------------------
+torchrun_cmd() {  # PORT RDZV_ID MAX_RESTARTS: torchrun's options for this topology
+  cmd=("$PYTHON" -m torch.distributed.run
+    --nnodes="$NNODES" --nproc_per_node="$workers"
+    --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$1" --rdzv_id="$2"
+    --rdzv_conf="$rdzv_conf"
+    --max-restarts="$3")
+  [ -n "${LOCAL_ADDR:-}" ] && cmd+=(--local-addr="$LOCAL_ADDR")
+  # shellcheck disable=SC2206  # TORCHRUN_ARGS is a list of options, split on purpose
+  [ -n "${TORCHRUN_ARGS:-}" ] && cmd+=($TORCHRUN_ARGS)
+  return 0
+}
+# The checks: their own rendezvous (id and port), never restarted: a failed check is an answer.
+torchrun_cmd "$PREFLIGHT_PORT" "$RUN_ID-preflight" 0
+preflight_cmd=("${cmd[@]}" -m mingpt_ddp.preflight)
+torchrun_cmd "$RDZV_PORT" "$RUN_ID" "$MAX_RESTARTS"
 cmd+=(mingpt_ddp/main.py "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  printf '%q ' "${cmd[@]}"; echo
+  [ "$PREFLIGHT" != 0 ] && { printf '%q ' "${preflight_cmd[@]}"; echo; }
+  [ "$PREFLIGHT" != only ] && { printf '%q ' "${cmd[@]}"; echo; }
   exit 0
 fi
 
 # ---- a non-head node first checks that it can reach the head ------------------------------
-wait_for_head() {
-  "$PYTHON" - "$HEAD_NODE" "$RDZV_PORT" "$RDZV_TIMEOUT" <<'EOF'
+wait_for_head() {  # PORT
+  "$PYTHON" - "$HEAD_NODE" "$1" "$RDZV_TIMEOUT" <<'EOF'
 import socket, sys, time
 host, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 deadline = time.monotonic() + timeout
@@ -214,13 +288,15 @@ while True:
     time.sleep(1.0)
 EOF
 }
-if ((!is_head)); then
-  if ! reason=$(wait_for_head); then
-    die "cannot reach the rendezvous head $HEAD_NODE:$RDZV_PORT from $host within RDZV_TIMEOUT=${RDZV_TIMEOUT}s (last error: ${reason:-unknown}). Check that launch/multinode.sh runs on the head with the same NNODES, RDZV_PORT and RUN_ID; that HEAD_NODE is the head's address as seen from this machine; that TCP port $RDZV_PORT (and the collectives' ports) is open in the firewall / security group between the machines; and that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name the interface that carries $HEAD_NODE's network."
+reach_head() {  # PORT: a non-head node first checks that the head answers there
+  ((is_head)) && return 0
+  local reason
+  if ! reason=$(wait_for_head "$1"); then
+    die "cannot reach the rendezvous head $HEAD_NODE:$1 from $host within RDZV_TIMEOUT=${RDZV_TIMEOUT}s (last error: ${reason:-unknown}). Check that launch/multinode.sh runs on the head with the same NNODES, RDZV_PORT and RUN_ID; that HEAD_NODE is the head's address as seen from this machine; that TCP port $1 (and the collectives' ports) is open in the firewall / security group between the machines; and that NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name the interface that carries $HEAD_NODE's network."
   fi
-fi
+}
 
-# ---- run the agent -------------------------------------------------------------------------
+# ---- run the agents ------------------------------------------------------------------------
 # Every process of this node carries this token, so that leftovers can be found if the agent dies.
 export MINGPT_NODE_TOKEN="$host-$$-$RANDOM"
 kill_leftover_workers() {
@@ -237,32 +313,58 @@ kill_leftover_workers() {
 # SIGUSR1 is the trainer's "save and stop" signal: Slurm delivers it to every process of the
 # step, the workers handle it. The agent must not die of it, so it inherits "ignore".
 trap '' USR1
-"${cmd[@]}" &
-agent=$!
 # A stop signal for this script goes to the agent, which stops its workers gracefully.
 # Slurm signals every process of a step, and a terminal's Ctrl-C the whole process group,
 # so then the agent has it already: a second copy would cut its graceful shutdown short.
 got_signal=""
+agent=""
 forward() {
   got_signal=$1
-  if ((!in_slurm)) && [ "$1" != INT ]; then kill "-$1" "$agent" 2>/dev/null || true; fi
+  if ((!in_slurm)) && [ "$1" != INT ] && [ -n "$agent" ]; then kill "-$1" "$agent" 2>/dev/null || true; fi
 }
 trap 'forward TERM' TERM
 trap 'forward INT' INT
 trap 'forward HUP' HUP
-while true; do
-  set +e
-  wait "$agent"
-  rc=$?
-  set -e
-  kill -0 "$agent" 2>/dev/null || break  # otherwise `wait` was interrupted by a trapped signal
-done
 
-if ((rc > 128)) && [ -z "$got_signal" ]; then
-  sig=$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))
-  kill_leftover_workers
-  log "error: the torchrun agent on $host died of SIG$sig: this node has left the job and its workers were stopped. The other nodes' workers fail at their next collective; their agents then wait up to RDZV_TIMEOUT=${RDZV_TIMEOUT}s for this node (srun --kill-on-bad-exit=1 ends the whole step at once instead)."
-elif ((rc != 0)); then
-  log "torchrun on $host exited with code $rc"
+run_agent() {  # COMMAND...: one torchrun agent, to its end; sets rc
+  "$@" &
+  agent=$!
+  while true; do
+    set +e
+    wait "$agent"
+    rc=$?
+    set -e
+    kill -0 "$agent" 2>/dev/null || break  # otherwise `wait` was interrupted by a trapped signal
+  done
+  if ((rc > 128)) && [ -z "$got_signal" ]; then
+    sig=$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))
+    kill_leftover_workers
+    log "error: the torchrun agent on $host died of SIG$sig: this node has left the job and its workers were stopped. The other nodes' workers fail at their next collective; their agents then wait up to RDZV_TIMEOUT=${RDZV_TIMEOUT}s for this node (srun --kill-on-bad-exit=1 ends the whole step at once instead)."
+  elif ((rc != 0)); then
+    log "torchrun on $host exited with code $rc"
+  fi
+}
+
+# ---- the flight recorder's dump directory (train.sbatch sets the file prefix) -------------
+fr_dump=${TORCH_FR_DUMP_TEMP_FILE:-${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-}}
+if [ -n "$fr_dump" ]; then
+  mkdir -p "$(dirname "$fr_dump")" 2>/dev/null \
+    || log "warning: cannot create $(dirname "$fr_dump") for NCCL flight recorder dumps"
 fi
+
+if [ "$PREFLIGHT" != 0 ]; then
+  reach_head "$PREFLIGHT_PORT"
+  run_agent "${preflight_cmd[@]}"
+  if ((rc != 0)); then
+    log "pre-flight checks did not pass on $host (exit code $rc): not training"
+    exit "$rc"
+  fi
+  [ -n "$got_signal" ] && exit "$rc"
+  if [ "$PREFLIGHT" = only ]; then
+    log "pre-flight checks passed on $host (PREFLIGHT=only: not training)"
+    exit 0
+  fi
+fi
+reach_head "$RDZV_PORT"
+run_agent "${cmd[@]}"
 exit "$rc"

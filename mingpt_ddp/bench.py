@@ -4,6 +4,7 @@
     python -m mingpt_ddp.bench train model=gpt-micro data.block_size=64 trainer.batch_size=12
     python -m mingpt_ddp.bench data data.block_size=256 trainer.batch_size=16
     python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
+    python -m mingpt_ddp.bench precision model=gpt-mini              # fp32 vs bf16, auto's choice
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
@@ -19,11 +20,15 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
   data:     steps=2000 (optimizer steps' worth of batches)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
   comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
+  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
+            what trainer.precision=auto decides for this model
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP, clipping, optimizer, logging.
+Epoch-end evaluations that fall between timed steps are left out of the timing.
 MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
-processes / (measured matmul peak for the precision in use x processes).
+processes / (matmul peak for the precision in use x processes), reported twice: against
+the measured peak, and on known GPUs against the datasheet's dense peak.
 """
 from __future__ import annotations
 
@@ -47,7 +52,7 @@ from mingpt_ddp import config, distributed
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
-MODES = ("peak", "train", "data", "snapshot", "comm")
+MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
@@ -190,18 +195,23 @@ class CpuNoise:
 
 
 def wait_until_quiet(max_seconds: float, dist, threshold: float = 0.15) -> Optional[float]:
-    """Wait (up to max_seconds) until other processes use under `threshold` of the cores."""
+    """Wait (up to max_seconds) until other processes use under `threshold` of the cores.
+
+    Rank 0 alone decides when to stop, by its clock and its reading, and tells the others:
+    ranks deciding by their own clocks could leave the loop on different rounds and wait
+    forever in the next round's collective.
+    """
     if max_seconds <= 0 or dist.device.type != "cpu":
         return None
-    deadline, busy = time.monotonic() + max_seconds, None
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + max_seconds
+    while True:
         probe = CpuNoise(dist)
         time.sleep(1.0)
-        busy = probe.fraction()
-        agreed = distributed.broadcast_object(busy)
-        if agreed is None or agreed < threshold:
-            return agreed
-    return busy
+        busy = probe.fraction()  # a collective: every rank takes part in every round
+        done = busy is None or busy < threshold or time.monotonic() >= deadline
+        busy, done = distributed.broadcast_object((busy, done))
+        if done:
+            return busy
 
 
 def all_ranks_max(value: float, device: torch.device) -> float:
@@ -294,29 +304,41 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     wait_until_quiet(float(options["wait_quiet"]), dist)
     trainer = build_trainer(cfg, dist)
     device = trainer.device
-    marks: list[float] = []
+    step_s: list[float] = []  # each optimizer step's seconds, evaluations left out
     noise: list[CpuNoise] = []
+    last = [0.0]
 
     def on_step(t) -> None:
         if t.state.step == warmup or t.state.step == warmup + steps:
             sync(device)  # GPU work is asynchronous: only time what has finished
         if t.state.step == warmup:
             noise.append(CpuNoise(dist))
-        marks.append(time.perf_counter())
+        now = time.perf_counter()
+        if t.state.step > warmup:
+            step_s.append(now - last[0])
+        last[0] = now
+
+    def evaluate_untimed(evaluate=trainer.evaluate):
+        """An epoch-end evaluation between timed steps (e.g. gpt2 at block 1024 on 2 GPUs
+        has 15 steps per epoch): the clock restarts after it, so no timed step holds it."""
+        sync(device)
+        result = evaluate()
+        sync(device)
+        last[0] = time.perf_counter()
+        return result
 
     if not hasattr(trainer, "step_callbacks"):
         raise ConfigError("this Trainer has no step_callbacks (issue 7's trainer.py change): cannot time steps")
     trainer.step_callbacks.append(on_step)
+    trainer.evaluate = evaluate_untimed
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if warmup == 0:
         sync(device)
         noise.append(CpuNoise(dist))
-        marks.append(time.perf_counter())
+        last[0] = time.perf_counter()
     trainer.fit()
-    timed = marks[-(steps + 1):]
-    elapsed = timed[-1] - timed[0]
-    step_s = [b - a for a, b in zip(timed, timed[1:])]
+    elapsed = sum(step_s[-steps:])
     slowest = all_ranks_max(elapsed, device)
     tokens = steps * trainer.global_batch * trainer.block_size
     tokens_per_s = tokens / slowest
@@ -340,6 +362,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "flops_per_token": trainer.flops_per_token,
         "peak_flops_per_process": trainer.peak_flops,
         "mfu": mfu(trainer.flops_per_token, tokens_per_s, trainer.peak_flops, dist.world_size),
+        # the vendor's dense peak (known GPUs only): the MFU nanoGPT and PaLM quote
+        "datasheet_peak_flops_per_process": trainer.datasheet_peak_flops,
+        "mfu_datasheet": (mfu(trainer.flops_per_token, tokens_per_s, trainer.datasheet_peak_flops, dist.world_size)
+                          if trainer.datasheet_peak_flops else None),
         "peak_memory_bytes": int(memory),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
         "other_cpu_busy": noise[0].fraction() if noise else None,
@@ -420,9 +446,8 @@ def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[st
         t0 = time.perf_counter()
         state = trainer.state_dict()  # what Trainer.save does before handing over to the writer
         t1 = time.perf_counter()
-        on_cpu = to_cpu(state)
-        if saver is not None:
-            saver.submit(on_cpu, trainer.state.step)
+        if saver is not None:  # only rank 0 copies and writes, as in training
+            saver.submit(state, trainer.state.step)  # the copy to host memory; the write goes on in the background
         t2 = time.perf_counter()
         error = saver.wait() if saver is not None else None
         t3 = time.perf_counter()
@@ -431,6 +456,7 @@ def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[st
         row = {"state_dict_s": t1 - t0, "copy_to_cpu_s": t2 - t1, "blocking_s": t2 - t0,
                "background_write_s": t3 - t2}
         if dist.is_main:
+            on_cpu = to_cpu(state)
             t4 = time.perf_counter()
             blob = encode(on_cpu, trainer.state.step)
             t5 = time.perf_counter()
@@ -445,6 +471,11 @@ def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[st
             assert loaded is not None
             row.update(encode_s=t5 - t4, write_s=t6 - t5, save_s=t6 - t4, read_s=t7 - t6, decode_s=t8 - t7,
                        load_s=t9 - t8, bytes=len(blob))
+            if store.is_local:  # what the background writer does on local/FSx paths: no bytes built
+                del blob
+                t10 = time.perf_counter()
+                store.save(on_cpu, trainer.state.step)
+                row.update(streamed_save_s=time.perf_counter() - t10)
         rows.append(row)
         distributed.barrier()
     if dist.is_main:
@@ -458,7 +489,32 @@ def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[st
 
 
 def comm_iters(size: int) -> int:
-    return 100 if size <= 1 << 16 else 50 if size <= 1 << 20 else 20 if size <= 1 << 26 else 5
+    """Timed iterations per size: more for small messages, and never fewer than nccl-tests'
+    default of 20 (5 at 64 MiB and up gave figures that moved by tens of percent)."""
+    return 100 if size <= 1 << 16 else 50 if size <= 1 << 20 else 20
+
+
+class Stopwatch:
+    """Seconds between start() and stop(): CUDA events on GPUs (the device's own clock, as
+    nccl-tests times), the host clock after the work on CPUs."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            return self._start.elapsed_time(self._end) / 1e3
+        return time.perf_counter() - self._t0
 
 
 def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -478,34 +534,68 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
     rows = []
+    stopwatch = Stopwatch(dist.device)
     for size in sizes:
         count = max(1, size // 4)
         iters = int(options["iters"] or comm_iters(size))
-        buf = torch.ones(count, dtype=torch.float32, device=dist.device)
+        # Zeros stay zeros under any number of summing all-reduces; ones doubled (x ranks)
+        # every iteration and reached inf after ~40 iterations on 8 ranks.
+        buf = torch.zeros(count, dtype=torch.float32, device=dist.device)
         for _ in range(warmup):
             torch_dist.all_reduce(buf)
         sync(dist.device)
         torch_dist.barrier()
-        start = time.perf_counter()
+        stopwatch.start()
         for _ in range(iters):
             torch_dist.all_reduce(buf)
-        sync(dist.device)
-        seconds = (time.perf_counter() - start) / iters
+        seconds = stopwatch.stop() / iters
         seconds = all_ranks_max(seconds, dist.device) if not own_group else seconds
+        finite = bool(torch.isfinite(buf).all().item())
         buf.fill_(torch_dist.get_rank() + 1)  # check the sum, as nccl-tests counts #wrong
         torch_dist.all_reduce(buf)
         wrong = int((buf != n * (n + 1) / 2).sum().item())
         algbw = count * 4 / seconds / 1e9
         rows.append({"size": count * 4, "count": count, "type": "float", "redop": "sum", "time_us": seconds * 1e6,
-                     "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong})
+                     "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
+                     "iters": iters, "timed_data_finite": finite})
     if own_group:
         torch_dist.destroy_process_group()
     return {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
             "other_cpu_busy": noise.fraction()}
 
 
+def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """What `trainer.precision=auto` decides for this model on this CPU, and the fp32/bf16
+    forward+backward times behind it, at the configured batch (auto's own probe uses at
+    most 8 sequences), measured afresh (the cache is neither read nor written)."""
+    from mingpt_ddp import precision
+
+    cfg = compose([*overrides, "trainer.precision=fp32"])
+    if dist.device.type != "cpu":
+        raise ConfigError("bench precision measures CPUs: on GPUs `auto` is bf16 with native bf16, else fp16")
+    model = build_trainer(cfg, dist).model
+    batch, block = cfg.trainer.batch_size, cfg.data.block_size
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+    steps = int(options["steps"] or 3)
+    seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
+    with tempfile.TemporaryDirectory() as scratch:
+        choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
+    rows = [{"precision": name, "ms_per_pass": 1000 * s, "tokens_per_s": batch * block / s,
+             "vs_fp32": seconds["fp32"] / s} for name, s in seconds.items()]
+    return {"model": dict(_container(cfg.model)), "batch_size": batch, "block_size": block, "rows": rows,
+            "auto_choice": choice, "faster": min(seconds, key=seconds.get), "other_cpu_busy": noise.fraction()}
+
+
+def _container(node) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node)
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
+    "precision": run_precision,
 }
 
 
@@ -526,17 +616,27 @@ def report(mode: str, result: dict[str, Any]) -> None:
             f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
             f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
             f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
-            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU %", "FLOP/token",
-             "peak TFLOP/s", "peak mem MiB"],
+            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU%(measured)",
+             "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
             [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
               result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
+              100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
+              (result["datasheet_peak_flops_per_process"] or 0) / 1e12 or None,
               result["peak_memory_bytes"] / 2**20]],
         )
         best = result["tokens_per_s_best_window"]
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+    elif mode == "precision":
+        m = result["model"]
+        print_table(f"precision: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch "
+                    f"{result['batch_size']}, forward+backward: {where}{noise}",
+                    ["precision", "ms/pass", "tokens/s", "x fp32"],
+                    [[r["precision"], r["ms_per_pass"], r["tokens_per_s"], r["vs_fp32"]] for r in result["rows"]])
+        print(f"auto chooses {result['auto_choice']} (its own probe, at most 8 sequences); faster here: "
+              f"{result['faster']}")
     elif mode == "data":
         print_table(
             f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "
@@ -550,10 +650,10 @@ def report(mode: str, result: dict[str, Any]) -> None:
         print_table(
             f"snapshot: {result['parameters']:,} parameters -> {result['url']} (best of {result['repeat']}): {where}{noise}",
             ["MB", "blocks training s", "state_dict s", "copy to CPU s", "background write s", "encode s",
-             "write s", "save s", "read s", "decode s", "load_latest s"],
+             "write s", "save s", "streamed save s", "read s", "decode s", "load_latest s"],
             [[b.get("bytes", 0) / 1e6, b["blocking_s"], b["state_dict_s"], b["copy_to_cpu_s"],
-              b["background_write_s"], b.get("encode_s"), b.get("write_s"), b.get("save_s"), b.get("read_s"),
-              b.get("decode_s"), b.get("load_s")]],
+              b["background_write_s"], b.get("encode_s"), b.get("write_s"), b.get("save_s"),
+              b.get("streamed_save_s"), b.get("read_s"), b.get("decode_s"), b.get("load_s")]],
         )
     elif mode == "comm":
         print_table(
@@ -575,8 +675,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         dist = distributed.setup()
         result = RUNNERS[mode](dist, options, overrides)
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        rank = int(os.environ.get("RANK", "0"))
+        if distributed.first_to_report(str(exc), "bench"):  # once, by a rank that hit it
+            print(f"{f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
     result = {"mode": mode, "env": environment(dist), "options": {k: v for k, v in options.items() if v is not None},
               "overrides": overrides, **result}

@@ -19,7 +19,10 @@ from omegaconf import OmegaConf
 from mingpt_ddp import loggers
 from mingpt_ddp.errors import ConfigError
 
-MAX_SAVE_RETRY_MINUTES = 20.0
+# Collectives wait this long beyond the longest a rank may legitimately keep the others
+# waiting (rank 0 retrying a save or a store, see collective_timeout_minutes).
+COLLECTIVE_TIMEOUT_MARGIN_MINUTES = 5.0
+DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 20.0  # save_retry_minutes' default (15) plus the margin
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -73,6 +76,9 @@ class OptimizerConfig:
 class TrainerConfig:
     max_epochs: int = 5
     max_steps: Optional[int] = None
+    # Plan the run's steps from the pace of its first steps so that training ends within
+    # this many minutes (max_epochs/max_steps still cap it); the plan is kept in snapshots.
+    time_budget_minutes: Optional[float] = None
     batch_size: int = 32
     grad_accum_steps: int = 1
     precision: Precision = Precision.auto
@@ -102,6 +108,11 @@ class TrainerConfig:
     save_retry_minutes: float = 15.0
     # At start, an unreachable store (snapshots, data) is retried this long, then an error.
     load_retry_minutes: float = 2.0
+    # How long a collective (and the rendezvous) waits for the other ranks before the job
+    # fails: at least the save/load retry time plus a margin, since the other ranks wait in
+    # a collective meanwhile; short enough that a rank that died under plain srun does not
+    # hold the job for long.
+    collective_timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
 
 
 @dataclass
@@ -225,6 +236,8 @@ def validate(cfg: Any) -> None:
     _positive(t.max_epochs, "trainer.max_epochs", "set trainer.max_epochs=<number of epochs>")
     if t.max_steps is not None:
         _positive(t.max_steps, "trainer.max_steps", "set trainer.max_steps=<steps> or null for no cap")
+    if t.time_budget_minutes is not None:
+        _positive(t.time_budget_minutes, "trainer.time_budget_minutes", "or set it to null to train by epochs/steps")
     _positive(t.batch_size, "trainer.batch_size", "set trainer.batch_size=<sequences per process>")
     _positive(t.grad_accum_steps, "trainer.grad_accum_steps", "set trainer.grad_accum_steps=1 or more")
     for name in ("eval_every", "log_every", "save_every", "keep_last"):
@@ -242,10 +255,22 @@ def validate(cfg: Any) -> None:
                           "0 <= first < last, e.g. trainer.profile_steps=[10,15]")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
-    if not 0 < t.save_retry_minutes <= MAX_SAVE_RETRY_MINUTES:
-        raise ConfigError(
-            f"trainer.save_retry_minutes={t.save_retry_minutes} must be in (0, {MAX_SAVE_RETRY_MINUTES}]: at the end "
-            "of a run the other ranks wait for rank 0's last save inside a collective that times out after 30 minutes"
-        )
+    if t.save_retry_minutes <= 0:
+        raise ConfigError(f"trainer.save_retry_minutes={t.save_retry_minutes} must be positive")
     if t.load_retry_minutes < 0:
         raise ConfigError(f"trainer.load_retry_minutes={t.load_retry_minutes} must be >= 0 (0: no retries)")
+    collective_timeout_minutes(t)
+
+
+def collective_timeout_minutes(t: Any) -> float:
+    """trainer.collective_timeout_minutes, checked against what the other ranks may wait for
+    inside a collective: rank 0 retrying a save (at the end of a run) or a store at start."""
+    needed = max(t.save_retry_minutes, t.load_retry_minutes) + COLLECTIVE_TIMEOUT_MARGIN_MINUTES
+    if not t.collective_timeout_minutes >= needed:
+        raise ConfigError(
+            f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} is too short: the other ranks "
+            f"wait in a collective while rank 0 retries saving (trainer.save_retry_minutes={t.save_retry_minutes}) "
+            f"or loading (trainer.load_retry_minutes={t.load_retry_minutes}); set "
+            f"trainer.collective_timeout_minutes={needed:g} or more, or lower those"
+        )
+    return float(t.collective_timeout_minutes)

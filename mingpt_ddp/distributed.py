@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import logging
 import os
-import subprocess
+import re
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 
+from mingpt_ddp.config import DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -45,17 +48,28 @@ def _env_int(name: str, default: Optional[int] = None) -> Optional[int]:
     return int(value) if value not in (None, "") else default
 
 
+def first_hostname(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: "gpu-[007-008,010],cpu1" -> "gpu-007".
+
+    Each bracket group stands for its first value ("rack[1-2]-n[01-04]" -> "rack1-n01");
+    parsed here rather than with `scontrol show hostnames`, which a container may lack.
+    """
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):  # the first host ends at the first comma outside brackets
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    first = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m[1])[0], nodelist[:end].strip())
+    return first or "127.0.0.1"
+
+
 def _slurm_first_node() -> str:
-    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST", "")
-    try:
-        out = subprocess.run(
-            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
-        )
-        if out.returncode == 0 and out.stdout.split():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return nodelist.split(",")[0] or "127.0.0.1"
+    """The rendezvous host: the first node of this step (srun on a subset of the job's nodes
+    may not include the job's first node), else of the job."""
+    return first_hostname(os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST")
+                          or os.environ.get("SLURM_NODELIST", ""))
 
 
 def _slurm_tasks_on_this_node(ntasks: int) -> int:
@@ -96,20 +110,37 @@ def read_topology() -> tuple[int, int, int, int]:
 
 
 def pick_device(local_rank: int) -> tuple[torch.device, str]:
-    """cuda:LOCAL_RANK with NCCL where CUDA is available, else CPU with gloo."""
+    """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with gloo.
+
+    The modulo covers both launch styles: torchrun (each worker sees all of the node's GPUs,
+    LOCAL_RANK picks one) and srun with --gpus-per-task=1 or GPU binding (each task sees only
+    its own GPU, as cuda:0, while SLURM_LOCALID still counts up to 7).
+    """
     if torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPUs: "
-                f"start at most {torch.cuda.device_count()} processes per node (--nproc_per_node)"
-            )
-        return torch.device("cuda", local_rank), "nccl"
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
     return torch.device("cpu"), "gloo"
 
 
-def cpu_threads_per_process(local_world_size: int) -> int:
-    """Share this node's cores between its processes instead of oversubscribing them."""
+def _launched_per_slurm_task(env: Mapping[str, str]) -> bool:
+    """srun started this process itself (one Slurm task per process), not torchrun."""
+    return "SLURM_PROCID" in env and "TORCHELASTIC_RUN_ID" not in env
+
+
+def cpu_threads_per_process(local_world_size: int, env: Mapping[str, str] = os.environ) -> int:
+    """This process's share of the node's cores, without oversubscribing or dividing twice.
+
+    torchrun's workers inherit one affinity mask, so it is split between them. A process
+    srun started as its own task already has its share when srun binds CPUs (the mask is
+    the task's cores) or when SLURM_CPUS_PER_TASK says how many are its own; only an
+    unbound task seeing the whole node's cores splits them.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if _launched_per_slurm_task(env):
+        per_task = env.get("SLURM_CPUS_PER_TASK", "")
+        if per_task.isdigit() and int(per_task) > 0:
+            return min(cores, int(per_task))
+        if cores < (os.cpu_count() or cores):  # bound to a subset of the node: this task's share
+            return cores
     return max(1, cores // max(1, local_world_size))
 
 
@@ -134,15 +165,24 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
 
 
 _current: Optional[DistEnv] = None
+_store: Optional[torch_dist.Store] = None  # the rendezvous store, kept to compare error reports
 
 
-def setup(timeout_minutes: float = 30.0) -> DistEnv:
-    """Pick the device, size the CPU thread pool and join the process group.
+def process_group_options(device: torch.device) -> dict[str, Any]:
+    """init_process_group options for `device`: on CUDA, `device_id` binds the group to this
+    rank's GPU, so NCCL builds its communicator at start (errors show there, not at the first
+    step) and barriers and object collectives use the right device."""
+    return {"device_id": device} if device.type == "cuda" else {}
+
+
+def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES) -> DistEnv:
+    """Pick the device, size the CPU thread pool and join the process group, whose
+    collectives (and the rendezvous) give up after `timeout_minutes`.
 
     Once per process: the sweep points of a multirun reuse the same process group, which
     is torn down when the process exits.
     """
-    global _current
+    global _current, _store
     if _current is not None:
         return _current
     rank, local_rank, world_size, local_world_size = read_topology()
@@ -151,15 +191,47 @@ def setup(timeout_minutes: float = 30.0) -> DistEnv:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(cpu_threads_per_process(local_world_size))
+    # Every process says it (before rank 0 alone speaks): oversubscribed cores show up here.
+    log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size, device,
+             torch.get_num_threads())
     if world_size > 1 and not torch_dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
+        _store = _process_group_store(rank, world_size, timeout)
         torch_dist.init_process_group(
-            backend, store=_process_group_store(rank, world_size, timeout),
-            rank=rank, world_size=world_size, timeout=timeout,
+            backend, store=_store, rank=rank, world_size=world_size, timeout=timeout,
+            **process_group_options(device),
         )
         atexit.register(teardown)
     _current = DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
     return _current
+
+
+def first_to_report(message: str, context: str = "", wait_s: float = 5.0) -> bool:
+    """Whether this rank should print `message`: the first rank to report it does.
+
+    A ConfigError is usually raised alike on every rank, sometimes on one rank only (its own
+    disk, its own GPU). Each failing rank counts the message in the rendezvous store, so an
+    error every rank hit is printed once and one that only rank 3 hit is printed by rank 3,
+    without waiting on ranks that are busy elsewhere. Before the process group exists (no
+    store) errors come from the config, the same everywhere: rank 0 speaks. If the store does
+    not answer within `wait_s` (its host has gone), print rather than stay silent.
+    """
+    rank = _current.rank if _current is not None else _env_int("RANK", 0)
+    if _store is None:
+        return rank == 0
+    key = "mingpt_ddp/error/" + hashlib.sha256(f"{context}\0{message}".encode()).hexdigest()[:32]
+    answer: list[int] = []
+
+    def count() -> None:
+        try:
+            answer.append(_store.add(key, 1))
+        except Exception:  # store gone: fall back to printing
+            pass
+
+    worker = threading.Thread(target=count, daemon=True, name="error-report")
+    worker.start()
+    worker.join(wait_s)
+    return not answer or answer[0] == 1
 
 
 def release_cached_memory() -> None:

@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import Any, Callable, Optional, Sequence
 
-from mingpt_ddp import distributed, storage
+from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -248,8 +248,9 @@ def _write_run_ids(run_dir: str, ids: dict[str, Any]) -> None:
 
 
 def open_sinks(cfg: Any, config: dict[str, Any], run_dir: str, previous: Optional[dict[str, Any]] = None) -> list[Sink]:
-    """Open the selected trackers (rank 0). `config` is the resolved, redacted config;
-    `previous` the ids a snapshot kept (else those in the run directory are used)."""
+    """Open the selected trackers (rank 0 only, through distributed.on_main_then_share so that
+    a tracker that cannot start stops every rank with its error). `config` is the resolved,
+    redacted config; `previous` the ids a snapshot kept (else those in the run directory)."""
     names = selected(cfg)
     if not names:
         return []
@@ -270,14 +271,6 @@ def open_sinks(cfg: Any, config: dict[str, Any], run_dir: str, previous: Optiona
     ids = run_ids(sinks)
     if ids:
         _write_run_ids(run_dir, ids)
-    return sinks
-
-
-def open_sinks_on_main(cfg: Any, config: dict[str, Any], run_dir: str, dist: distributed.DistEnv,
-                       previous: Optional[dict[str, Any]] = None) -> list[Sink]:
-    """Rank 0 opens the trackers; a tracker that cannot start stops every rank with its error."""
-    sinks: list[Sink] = []
-    distributed.on_main_then_share(lambda: sinks.extend(open_sinks(cfg, config, run_dir, previous)), dist)
     return sinks
 
 

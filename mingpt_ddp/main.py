@@ -2,7 +2,7 @@
 
 The composition root: compose the config, join the process group, build data, model,
 snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user can fix
-(ConfigError) end here: one line from rank 0, exit code 2.
+(ConfigError) end here: one line from the rank that hit it, exit code 2.
 """
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ if __package__ in (None, ""):
     # not from whatever copy the interpreter has installed (or none, in a container image).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mingpt_ddp.dependencies import require  # noqa: E402 (standard library only)
+
+require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing one, not a traceback per rank
 
 from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE  # noqa: E402 (standard library only)
 
@@ -39,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import config, distributed, loggers, profiling, sample, storage
+from mingpt_ddp import cluster, config, distributed, loggers, profiling, sample, storage
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, ensure_local_copy, local_copy_path, read_text
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -47,10 +50,13 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
+from mingpt_ddp.time_budget import TimeBudget
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
+from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("mingpt_ddp")
 config.register()
+cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
 
 def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float) -> tuple[CharCorpus, str]:
@@ -128,8 +134,10 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         "model_config": dict(vars(model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
-    sinks = loggers.open_sinks_on_main(cfg, metadata["config"], run_dir, dist,
-                                       previous=snapshot.get("logger_runs") if found is not None else None)
+    sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank
+    previous_runs = snapshot.get("logger_runs") if found is not None else None
+    distributed.on_main_then_share(lambda: sinks.extend(loggers.open_sinks(cfg, metadata["config"], run_dir,
+                                                                           previous_runs)), dist)
     metadata["logger_runs"] = loggers.run_ids(sinks)  # a resume continues the same tracker runs
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
     outcome = "failed"
@@ -138,10 +146,12 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
             BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
         )
-        metrics.total_steps = trainer.total_steps
         if found is not None:
             trainer.load_state_dict(snapshot)
             metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
+        metrics.total_steps = trainer.total_steps
+        if cfg.trainer.time_budget_minutes:
+            trainer.step_callbacks.append(TimeBudget(cfg.trainer.time_budget_minutes))
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -182,7 +192,17 @@ def _agreed_run_dir(dist: DistEnv) -> str:
     return run_dir
 
 
+def _report_error(message: str) -> None:
+    """One `error:` line from the rank that hit it (prefixed with its rank unless 0), once
+    when every rank hit it. Exiting non-zero then ends the job: torchrun stops the other
+    workers, srun does with --kill-on-bad-exit."""
+    rank = int(os.environ.get("RANK", "0"))
+    if distributed.first_to_report(message, HydraConfig.get().runtime.output_dir):
+        print(f"{f'[rank {rank}] ' if rank else ''}error: {message}", file=sys.stderr, flush=True)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@record  # a bug's traceback reaches torchrun's failure summary, naming the rank (ConfigErrors stay one line)
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
@@ -192,14 +212,13 @@ def main(cfg: DictConfig) -> Optional[float]:
         storage.redact_logs()
         # Before anything else: Hydra has just written .hydra/ from the raw config.
         storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        dist = distributed.setup()
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except ConfigError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+        _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))

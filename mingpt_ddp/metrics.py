@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -49,7 +50,9 @@ class MetricsLog:
         text = (
             f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
-            + (f" | MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "")
+            + (" (includes compiling)" if r.get("includes_compile") else "")
+            + (f" | MFU {100 * r['mfu']:.1f}% of measured peak" if r.get("mfu") is not None else "")
+            + (f", {100 * r['mfu_datasheet']:.1f}% of datasheet peak" if r.get("mfu_datasheet") is not None else "")
             + f" | {self._elapsed_and_eta(r['step'])}"
         )
         if self.interactive:
@@ -157,7 +160,44 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float
     return _PEAK_CACHE[key]
 
 
-def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_process: float, world_size: int) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the measured peak of all ranks."""
+# Dense (no sparsity) tensor-core peaks per GPU from NVIDIA's datasheets, TFLOP/s: the
+# denominators nanoGPT and the PaLM paper quote MFU against. Most specific names first.
+_DATASHEET_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    (r"H100.*NVL|H200.*NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
+    (r"H100.*PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
+    (r"H100|H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),  # SXM, GH200
+    (r"A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    (r"L40S", {"bf16": 362.05, "fp16": 362.05, "tf32": 183.0, "fp32": 91.6}),
+    (r"L40\b", {"bf16": 181.05, "fp16": 181.05, "tf32": 90.5, "fp32": 90.5}),
+    (r"\bL4\b", {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bA40\b", {"bf16": 149.7, "fp16": 149.7, "tf32": 74.8, "fp32": 37.4}),
+    (r"V100.*PCIE", {"fp16": 112.0, "fp32": 14.0}),
+    (r"V100", {"fp16": 125.0, "fp32": 15.7}),
+    (r"\bT4\b", {"fp16": 65.0, "fp32": 8.1}),
+)
+
+
+def datasheet_peak_flops(device: torch.device, dtype: torch.dtype) -> Optional[float]:
+    """The vendor's dense peak FLOP/s of this GPU for `dtype` (fp32 counts as TF32 when TF32
+    matmuls are allowed), or None for CPUs and GPUs not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+    if key == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        key = "tf32"
+    for pattern, peaks in _DATASHEET_TFLOPS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return peaks[key] * 1e12 if key in peaks else None
+    return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_process: Optional[float],
+        world_size: int) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak (measured or datasheet)
+    of all ranks; NaN without a peak."""
+    if peak_flops_per_process is None:
+        return float("nan")
     peak = peak_flops_per_process * world_size
     return flops_per_token * tokens_per_s / peak if peak > 0 and math.isfinite(peak) else float("nan")

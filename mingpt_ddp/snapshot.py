@@ -34,7 +34,7 @@ import re
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional, Union
 
 import torch
 
@@ -52,13 +52,46 @@ class CorruptSnapshot(Exception):
     """A snapshot file that fails its header, length or checksum check, or does not load."""
 
 
+def _header(step: int, size: int, digest: str) -> bytes:
+    # Fixed width (zero-padded numbers, which the header pattern has always accepted), so it
+    # can be written before the payload and filled in after it.
+    return b"%s %d step=%012d bytes=%015d sha256=%s\n" % (MAGIC, FORMAT_VERSION, step, size, digest.encode())
+
+
+class _HashingWriter:
+    """What torch.save writes to: passed on to the file, counted and hashed on the way."""
+
+    def __init__(self, f: BinaryIO):
+        self.f, self.sha, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def write_encoded(f: BinaryIO, state: dict[str, Any], step: int) -> None:
+    """Stream a snapshot (header and payload) into the seekable file `f`: the payload goes
+    straight to the file, hashed as it is written, and the header is filled in afterwards.
+    No second copy of the state is built in memory."""
+    start = f.tell()
+    f.write(_header(step, 0, "0" * 64))
+    payload = _HashingWriter(f)
+    torch.save(state, payload)
+    end = f.tell()
+    f.seek(start)
+    f.write(_header(step, payload.size, payload.sha.hexdigest()))
+    f.seek(end)
+
+
 def encode(state: dict[str, Any], step: int) -> bytes:
+    """The whole snapshot as bytes, for stores that take one object (S3's single PUT)."""
     buf = io.BytesIO()
-    torch.save(state, buf)
-    payload = buf.getvalue()
-    digest = hashlib.sha256(payload).hexdigest()
-    header = b"%s %d step=%d bytes=%d sha256=%s\n" % (MAGIC, FORMAT_VERSION, step, len(payload), digest.encode())
-    return header + payload
+    write_encoded(buf, state, step)
+    return buf.getvalue()
 
 
 def decode(blob: bytes, where: str = "snapshot") -> dict[str, Any]:
@@ -85,15 +118,36 @@ def header_step(head: bytes) -> Optional[int]:
     return int(match[2]) if match else None
 
 
-def to_cpu(obj: Any) -> Any:
+def to_cpu(obj: Any, pinned: Optional[dict[tuple, torch.Tensor]] = None) -> Any:
     """A deep copy with every tensor on the CPU: what a background write may safely read
-    while training goes on changing the live tensors in place."""
+    while training goes on changing the live tensors in place.
+
+    CUDA tensors are copied without blocking into pinned host buffers, then one synchronise
+    waits for all of them (instead of hundreds of blocking pageable copies). `pinned` keeps
+    those buffers between calls, keyed by their place in `obj`, so later snapshots reuse
+    them; the caller must not reuse them while a previous copy is still being read.
+    """
+    pending = [False]
+    copied = _copy_to_cpu(obj, {} if pinned is None else pinned, (), pending)
+    if pending[0]:
+        torch.cuda.synchronize()
+    return copied
+
+
+def _copy_to_cpu(obj: Any, pinned: dict[tuple, torch.Tensor], where: tuple, pending: list) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        if obj.device.type != "cuda":
+            return obj.detach().to("cpu", copy=True)
+        buffer = pinned.get(where)
+        if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+            buffer = pinned[where] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+        buffer.copy_(obj.detach(), non_blocking=True)
+        pending[0] = True
+        return buffer
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        return {k: _copy_to_cpu(v, pinned, where + (k,), pending) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
+        return type(obj)(_copy_to_cpu(v, pinned, where + (i,), pending) for i, v in enumerate(obj))
     return obj
 
 
@@ -228,7 +282,13 @@ class SnapshotStore:
                 + ("" if hint else ": set trainer.snapshot_path to a writable location")
             ) from None
 
-    def _write_whole(self, path: str, blob: bytes) -> None:
+    def _write_whole(self, path: str, blob: Union[bytes, Callable[[BinaryIO], None]]) -> None:
+        """Write `blob` (bytes, or a function that writes them to a seekable file) so that
+        `path` appears whole or not at all. Local files are streamed; other stores get bytes."""
+        if callable(blob) and not self.is_local:
+            buf = io.BytesIO()
+            blob(buf)
+            blob = buf.getvalue()
         if self.is_object_store:
             # One PUT (or one multipart upload, completed at the end): the object appears
             # whole or not at all. Never a rename: on S3 that is a copy and a delete.
@@ -243,7 +303,10 @@ class SnapshotStore:
         tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:
-                f.write(blob)
+                if callable(blob):
+                    blob(f)
+                else:
+                    f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -271,8 +334,13 @@ class SnapshotStore:
                 os.unlink(tmp)
         _fsync_dir(os.path.dirname(self.path) or ".")
 
-    def save(self, blob: bytes, step: int) -> str:
+    def save(self, blob: Union[bytes, dict[str, Any]], step: int) -> str:
+        """Save an encoded snapshot, or a state dict (streamed into a local file, encoded
+        for other stores), as this step's file and the latest."""
         step_file = self.step_path(step)
+        if isinstance(blob, dict):
+            state = blob
+            blob = lambda f: write_encoded(f, state, step)  # noqa: E731
         self._write_whole(step_file, blob)
         self._point_latest_at(step_file)
         try:
@@ -323,11 +391,15 @@ class BackgroundSaver:
         self._last_error: Optional[str] = None
         self._bug: Optional[BaseException] = None
         self.last_saved: Optional[str] = None
+        self._pinned: dict[tuple, torch.Tensor] = {}  # host buffers for GPU state, reused by every save
 
-    def submit(self, state_on_cpu: dict[str, Any], step: int) -> None:
+    def submit(self, state: dict[str, Any], step: int) -> None:
+        """Copy `state` to host memory (the only part training waits for) and write it in
+        the background."""
         self._superseded.set()  # a write waiting to be retried gives way to this newer one
-        self._join()
+        self._join()  # the previous write no longer reads the host buffers reused below
         self._superseded.clear()
+        state_on_cpu = to_cpu(state, self._pinned)
         self._thread = threading.Thread(target=self._write, args=(state_on_cpu, step), daemon=True,
                                         name="snapshot-writer")
         self._thread.start()
@@ -351,18 +423,23 @@ class BackgroundSaver:
         )
 
     def _write(self, state: dict[str, Any], step: int) -> None:
-        try:
-            blob = encode(state, step)
-        except BaseException as exc:  # a bug, not storage: surfaced by the next submit()/wait()
-            self._bug = exc
-            return
+        snapshot: Union[bytes, dict[str, Any]] = state  # local files: streamed from the state, per attempt
+        if not self.store.is_local:
+            try:
+                snapshot = encode(state, step)
+            except BaseException as exc:  # a bug, not storage: surfaced by the next submit()/wait()
+                self._bug = exc
+                return
         del state
         where = self.store.display(self.store.step_path(step))
         for delay in storage.backoff_delays(first=1.0, cap=60.0):
             started = self._clock()
             try:
-                self.last_saved = self.store.save(blob, step)
+                self.last_saved = self.store.save(snapshot, step)
             except Exception as exc:
+                if isinstance(snapshot, dict) and not isinstance(exc, OSError):
+                    self._bug = exc  # encoding failed while streaming: a bug, not storage
+                    return
                 if self._failing_since is None:
                     self._failing_since = started
                 self._failures += 1

@@ -24,10 +24,11 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, measured_peak_flops, mfu
+from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest
-from mingpt_ddp.snapshot import BackgroundSaver, to_cpu
+from mingpt_ddp.snapshot import BackgroundSaver
+from mingpt_ddp.throughput import StepTimer
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,12 @@ class TrainState:
     tokens_seen: int = 0
     best_val_loss: float = float("inf")
     last_val_loss: Optional[float] = None
+    planned_steps: Optional[int] = None  # steps planned from trainer.time_budget_minutes (time_budget.py)
 
 
 def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
-    return state.epoch >= cfg.max_epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+    return (state.epoch >= cfg.max_epochs or (cfg.max_steps is not None and state.step >= cfg.max_steps)
+            or (state.planned_steps is not None and state.step >= state.planned_steps))
 
 
 def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int) -> float:
@@ -120,7 +123,7 @@ class Trainer:
         self.ddp_model = (
             DDP(
                 self.forward_model,
-                device_ids=[dist.local_rank] if self.device.type == "cuda" else None,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
                 bucket_cap_mb=cfg.ddp_bucket_cap_mb,
                 static_graph=cfg.ddp_static_graph,
@@ -136,11 +139,12 @@ class Trainer:
         )
         self.val_windows = WindowDataset(corpus.val_tokens, self.block_size)
         self.state = TrainState()
-        self.total_steps = self._planned_steps()
+        self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
         self.peak_flops = distributed.broadcast_object(
             measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
         )
+        self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
@@ -160,7 +164,7 @@ class Trainer:
     def steps_in_epoch(self, epoch: int) -> int:
         return self._windows_in_epoch(epoch) // self.global_batch
 
-    def _planned_steps(self) -> int:
+    def planned_steps(self) -> int:
         if self.steps_in_epoch(0) == 0:
             raise ConfigError(
                 f"one optimizer step needs {self.global_batch} training windows (batch_size "
@@ -169,7 +173,8 @@ class Trainer:
                 "lower trainer.batch_size or data.block_size, or use more text"
             )
         total = sum(self.steps_in_epoch(e) for e in range(self.cfg.max_epochs))
-        return min(total, self.cfg.max_steps) if self.cfg.max_steps else total
+        caps = [c for c in (self.cfg.max_steps, self.state.planned_steps) if c is not None]
+        return min([total, *caps])
 
     @property
     def finished(self) -> bool:
@@ -195,6 +200,7 @@ class Trainer:
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
+        self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         saved_world = snapshot["world_size"]
         if saved_world != self.dist.world_size:
             self._keep_global_batch(snapshot["global_batch"], saved_world)
@@ -221,7 +227,7 @@ class Trainer:
                 f"the snapshot's global batch of {global_batch} sequences (world size {saved_world}) cannot be "
                 f"split evenly over {world} processes: resume with a world size that divides it"
             )
-        self.total_steps = self._planned_steps()
+        self.total_steps = self.planned_steps()
         self.metrics.note(
             f"world size changed from {saved_world} to {world}: global batch {global_batch} kept; "
             f"batch_size x grad_accum_steps per process {before[0]} x {before[1]} -> "
@@ -236,7 +242,7 @@ class Trainer:
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()
         if self.saver is not None:
-            self.saver.submit(to_cpu(state), self.state.step)
+            self.saver.submit(state, self.state.step)  # copies to host memory, then writes in the background
 
     # ---- the loop --------------------------------------------------------------------
     def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -294,7 +300,10 @@ class Trainer:
         for chunk in batches:
             x, y = (t.to(self.device) for t in self.val_windows.batch(chunk))
             with self.precision.autocast():
-                _, loss = self.forward_model(x, y)  # unwrapped: ranks may run unequal batch counts
+                # The eager model: unwrapped, as ranks may run unequal batch counts; and not
+                # the compiled one, which eval mode, no_grad and a short last batch would
+                # each make recompile (tens of seconds on a large model, every evaluation).
+                _, loss = self.model(x, y)
             totals[0] += loss.double() * len(chunk)
             totals[1] += len(chunk)
         distributed.all_reduce_sum(totals)
@@ -342,7 +351,11 @@ class Trainer:
     def _train_loop(self, stop_request: StopRequest) -> Optional[str]:
         """The epochs and steps; returns the signal's name if the ranks agreed to stop."""
         window_loss = torch.zeros((), device=self.device)
-        window_steps, window_start = 0, time.perf_counter()
+        window_steps = 0
+        # The first window after start includes compiling the model (when compiled).
+        includes_compile = self.forward_model is not self.model
+        timer = StepTimer(self.device)  # training steps only: evaluations and saves are paused out
+        timer.resume()
         while not self.finished:
             for micro_batches in self.step_batches():
                 window_loss += self._optimizer_step(micro_batches)
@@ -354,25 +367,30 @@ class Trainer:
                     callback(self)
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 if self.state.step % self.cfg.log_every == 0:
-                    self._log_train(window_loss, window_steps, time.perf_counter() - window_start)
+                    self._log_train(window_loss, window_steps, timer.take(), includes_compile)
                     window_loss.zero_()
-                    window_steps, window_start = 0, time.perf_counter()
+                    window_steps, includes_compile = 0, False
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
                     if stop_signal:
                         return signal.Signals(stop_signal).name
                     save_now = save_now or save_due
-                if self.state.step % self.cfg.eval_every == 0:
-                    self.evaluate()
-                if save_now:
-                    self.save()
-                if self.cfg.max_steps is not None and self.state.step >= self.cfg.max_steps:
+                if self.state.step % self.cfg.eval_every == 0 or save_now:
+                    timer.pause()
+                    if self.state.step % self.cfg.eval_every == 0:
+                        self.evaluate()
+                    if save_now:
+                        self.save()
+                    timer.resume()
+                if self.finished:
                     return None
             self.state.epoch += 1
             self.state.epoch_position = 0
+            timer.pause()
             if self._evaluated_at != self.state.step:
                 self.evaluate()
             if self.state.epoch % self.cfg.save_every == 0:
                 self.save()
+            timer.resume()
         return None
 
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
@@ -398,17 +416,24 @@ class Trainer:
         if error:
             raise ConfigError(error)
 
-    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float) -> None:
+    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, includes_compile: bool = False) -> None:
+        """One metrics line; `seconds` are the window's training seconds (see StepTimer)."""
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
         tokens_per_s = steps * self.global_batch * self.block_size / max(seconds, 1e-9)
-        self.metrics.write({
+        record = {
             "step": self.state.step,
             "epoch": self.state.epoch,
             "train_loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
-        })
+        }
+        if self.datasheet_peak_flops is not None:
+            record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
+                                          self.dist.world_size)
+        if includes_compile:
+            record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
+        self.metrics.write(record)
 
     def _check_ranks_agree(self) -> None:
         """DDP keeps replicas identical; prove it at the end instead of assuming it."""

@@ -156,3 +156,12 @@ def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
         assert row["algbw_GBps"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 2 * (2 - 1) / 2)
     assert "# Avg bus bandwidth" in stdout
+
+
+def test_precision_reports_fp32_and_bf16_and_the_auto_choice(tmp_path, small_corpus):
+    stdout, r = run_bench(["precision", *TINY_TRAIN, f"data.path={small_corpus}", "steps=1"], tmp_path)
+    header, rows = table(stdout)
+    assert header.split() == ["precision", "ms/pass", "tokens/s", "x", "fp32"]
+    assert [row.split()[0] for row in rows][:2] == ["fp32", "bf16"]
+    assert [row["precision"] for row in r["rows"]] == ["fp32", "bf16"] and all(row["ms_per_pass"] > 0 for row in r["rows"])
+    assert r["auto_choice"] in ("fp32", "bf16") and f"auto chooses {r['auto_choice']}" in stdout

@@ -30,7 +30,7 @@ def start(args: list[str], torchrun: bool, tmp_path: Path) -> tuple[subprocess.P
     return proc, log
 
 
-def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_text(log: Path, text: str, proc: subprocess.Popen, timeout: float = 400) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if text in log.read_text(errors="replace"):

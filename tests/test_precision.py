@@ -25,7 +25,7 @@ def test_auto_picks_the_faster_precision_and_keeps_fp32_on_a_near_tie(tmp_path):
     model, calls = tiny_model(), []
     faster_bf16 = fake_measure({"fp32": 1.0, "bf16": 0.5}, calls)
     assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "a.json"), faster_bf16) == "bf16"
-    assert calls == [("fp32", 8, 16), ("bf16", 8, 16)]  # the probe uses at most 8 sequences
+    assert calls == [("fp32", 8, 16), ("bf16", 8, 16)] * 2  # alternated; at most 8 sequences
     near_tie = fake_measure({"fp32": 1.0, "bf16": 0.97}, [])
     assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "b.json"), near_tie) == "fp32"
     slower_bf16 = fake_measure({"fp32": 1.0, "bf16": 1.6}, [])
@@ -37,12 +37,12 @@ def test_the_decision_is_cached_per_model_shape(tmp_path):
     measure = fake_measure({"fp32": 1.0, "bf16": 0.5}, calls)
     assert precision.measured_cpu_choice(tiny_model(), 32, 16, cache, measure) == "bf16"
     assert precision.measured_cpu_choice(tiny_model(), 32, 16, cache, measure) == "bf16"
-    assert len(calls) == 2  # measured once, then read from the cache
+    assert len(calls) == 4  # measured once (twice each), then read from the cache
     entry = next(iter(json.loads(open(cache).read()).values()))
     assert entry["choice"] == "bf16" and entry["fp32_ms"] == 1000.0
     precision.measured_cpu_choice(tiny_model(n_embd=64), 32, 16, cache, measure)  # another shape: measured
     precision.measured_cpu_choice(tiny_model(), 32, 8, cache, measure)  # another block size: measured
-    assert len(calls) == 6
+    assert len(calls) == 12
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):
@@ -50,7 +50,7 @@ def test_a_damaged_cache_is_measured_again(tmp_path):
     cache.write_text("{not json")
     assert precision.measured_cpu_choice(tiny_model(), 8, 16, str(cache), fake_measure({"fp32": 1, "bf16": 2}, calls))\
         == "fp32"
-    assert len(calls) == 2 and json.loads(cache.read_text())
+    assert len(calls) == 4 and json.loads(cache.read_text())
 
 
 def test_timing_leaves_the_model_and_the_global_generators_as_they_were():

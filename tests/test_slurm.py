@@ -285,7 +285,7 @@ def test_worker_failure_on_one_node_recovers_with_restarts(slurm, small_corpus, 
         workers = [pid for pid, cmd, worker in job_processes(job, "n2") if worker]
         assert len(workers) == 1, job_processes(job, "n2")
         os.kill(workers[0], signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=45)
+        rest, _ = proc.communicate(timeout=180)  # a restart re-imports torch on a loaded machine
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -360,6 +360,62 @@ def test_sbatch_preemption_snapshots_requeues_and_resumes_exactly(slurm, referen
     assert final_fingerprint(log) == final_fingerprint(ref_log), "resumed run differs from the uninterrupted one"
 
 
+# ---- pre-flight checks -----------------------------------------------------------------------
+def test_sbatch_preflight_passes_then_trains(slurm, small_corpus, tmp_path):
+    """PREFLIGHT=1 sbatch launch/train.sbatch: through the job's own torchrun topology (gloo on
+    the two nodes) every node reports host, CPU cores and versions, the all_reduce sweep
+    prints busbw, the checks pass, and then the job trains to completion."""
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, tiny(small_corpus, "trainer.max_steps=6", f"hydra.run.dir={run_dir}"),
+                 {"PREFLIGHT": "1"})
+    state = wait_job(slurm, job, timeout=300)
+    log = (tmp_path / f"mingpt_{job}.out").read_text()
+    assert state == "COMPLETED", log
+    assert "preflight: 2 node(s), 2 rank(s)" in log, log
+    assert re.search(r"preflight: node n1: 1 worker\(s\) \| CPU, \d+ cores \| torch \S+", log), log
+    assert "preflight: node n2: " in log and "busbw(GB/s)" in log, log
+    assert log.index("preflight: passed") < log.index("on 2 process(es)"), log
+    assert "done: step 6" in log and (run_dir / "snapshot.pt").exists(), log
+
+
+def run_preflight(slurm, small_corpus, tmp_path, **settings: str) -> tuple[subprocess.CompletedProcess, Path, float]:
+    run_dir = tmp_path / "run"
+    start = time.monotonic()
+    proc = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", str(MULTINODE),
+         *tiny(small_corpus, "trainer.max_steps=6", f"hydra.run.dir={run_dir}")],
+        cwd=tmp_path, env={**slurm, "MAX_RESTARTS": "2", **settings}, capture_output=True, text=True, timeout=300,
+    )
+    return proc, run_dir, time.monotonic() - start
+
+
+def test_preflight_below_min_busbw_stops_before_training(slurm, small_corpus, tmp_path):
+    """PREFLIGHT_MIN_BUSBW above anything gloo reaches: the job stops before any training step
+    (MAX_RESTARTS does not retry a failed check), with one message giving the measured busbw,
+    the nodes and the threshold."""
+    proc, run_dir, elapsed = run_preflight(slurm, small_corpus, tmp_path, PREFLIGHT="1", PREFLIGHT_MIN_BUSBW="1e9")
+    out = output(proc)
+    assert proc.returncode != 0, out
+    errors = [line for line in out.splitlines() if line.startswith("error: preflight:")]
+    assert len(errors) == 1, out
+    assert re.search(r"busbw \d+\.\d+ GB/s at [\d,]+ bytes over 2 ranks on n1, n2 is below PREFLIGHT_MIN_BUSBW=1e\+09",
+                     errors[0]), errors
+    assert "pre-flight checks did not pass" in out, out
+    assert "on 2 process(es)" not in out and not re.search(r"step \d+/", out), out
+    assert not run_dir.exists(), list(run_dir.iterdir())
+    assert elapsed < 150, f"{elapsed:.0f} s"
+
+
+def test_preflight_only_checks_and_exits(slurm, small_corpus, tmp_path):
+    """PREFLIGHT=only: the checks run on both nodes and pass; nothing trains."""
+    proc, run_dir, _ = run_preflight(slurm, small_corpus, tmp_path, PREFLIGHT="only")
+    out = output(proc)
+    assert proc.returncode == 0, out
+    assert "preflight: 2 node(s), 2 rank(s)" in out and "preflight: passed" in out, out
+    assert out.count("PREFLIGHT=only: not training") == 2, out
+    assert "on 2 process(es)" not in out and not run_dir.exists(), out
+
+
 # ---- sweeps --------------------------------------------------------------------------------
 def test_sweep_submits_one_job_per_point(slurm, small_corpus, tmp_path):
     """`main.py -m hydra/launcher=slurm optimizer.lr=a,b`: hydra-submitit-launcher submits one
@@ -389,3 +445,8 @@ def test_sweep_submits_one_job_per_point(slurm, small_corpus, tmp_path):
         lrs.add(re.search(r"optimizer\.lr=(\S+)", (d / ".hydra" / "overrides.yaml").read_text()).group(1))
     assert lrs == {"0.001", "0.0003"}, lrs
     assert len(list((sweeps[0] / ".submitit").glob("*_0"))) == 1  # one array job, two tasks
+    # CPUs per task from the nodes (2 CPUs, 1 task per node), srun told to use them and to end
+    # the step when a task fails.
+    script = next((sweeps[0] / ".submitit").rglob("*submission.sh")).read_text()
+    assert "#SBATCH --cpus-per-task=2" in script, script
+    assert "export SLURM_KILL_BAD_EXIT=1" in script and "SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK" in script, script

@@ -1,0 +1,192 @@
+"""Pre-flight checks of every node and of the network, before a long run.
+
+    PREFLIGHT=1 launch/multinode.sh ...          # or PREFLIGHT=only; train.sbatch passes it on
+    torchrun --nnodes=2 --nproc_per_node=8 ... -m mingpt_ddp.preflight
+
+Runs on every rank of the job's own torchrun topology. Each node reports its host, devices
+(GPU count, model and memory, or CPU cores) and torch/CUDA/NCCL versions; then an
+all_reduce sweep over all ranks (`bench comm`) prints size/algbw/busbw as nccl-tests do.
+It exits 0 when everything holds, else with code 2 and one `error:` line (rank 0) naming
+the node and what is wrong:
+
+- a node has fewer GPUs than workers (or none while the others have some);
+- torch, CUDA, NCCL or Python versions differ between nodes;
+- the all_reduce gave wrong sums, or its busbw at the largest size is below
+  PREFLIGHT_MIN_BUSBW (GB/s; unset: not checked).
+
+PREFLIGHT_MAX_BYTES sets the largest all_reduce [256MB with GPUs, 4MB on CPUs].
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+from typing import Any, Optional
+
+import torch
+import torch.distributed as torch_dist
+
+from mingpt_ddp import bench, distributed
+from mingpt_ddp.distributed import DistEnv
+from mingpt_ddp.errors import ConfigError
+
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def node_facts(local_world_size: int) -> dict[str, Any]:
+    """What this process sees of its node."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    props = [torch.cuda.get_device_properties(i) for i in range(gpus)]
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else None
+    except (AttributeError, RuntimeError):
+        nccl = None
+    return {
+        "host": os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        "workers": local_world_size,
+        "gpus": gpus,
+        "gpu_models": sorted({p.name for p in props}),
+        "gpu_memory_gib": round(min((p.total_memory for p in props), default=0) / 2**30, 1),
+        "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "python": platform.python_version(),
+    }
+
+
+def describe(f: dict[str, Any]) -> str:
+    devices = (f"{f['gpus']} x {'/'.join(f['gpu_models'])} ({f['gpu_memory_gib']} GiB)" if f["gpus"]
+               else f"CPU, {f['cpu_cores']} cores")
+    return (f"node {f['host']}: {f['workers']} worker(s) | {devices} | torch {f['torch']} CUDA {f['cuda'] or '-'} "
+            f"NCCL {f['nccl'] or '-'} | Python {f['python']}")
+
+
+def versions(f: dict[str, Any]) -> str:
+    return f"torch {f['torch']} / CUDA {f['cuda'] or '-'} / NCCL {f['nccl'] or '-'} / Python {f['python']}"
+
+
+def per_node(facts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per host, in rank order (every rank of a node reports the same)."""
+    nodes: dict[str, dict[str, Any]] = {}
+    for f in facts:
+        nodes.setdefault(f["host"], f)
+    return list(nodes.values())
+
+
+def check_nodes(nodes: list[dict[str, Any]]) -> Optional[str]:
+    """The first problem with the nodes, as one sentence naming the node; None when all hold."""
+    with_gpus = [n for n in nodes if n["gpus"]]
+    for n in nodes:
+        if with_gpus and n["gpus"] < n["workers"]:
+            where = f"node {n['host']} has {n['gpus']} GPU(s) for {n['workers']} worker(s)"
+            if not n["gpus"]:
+                where += f" while node {with_gpus[0]['host']} has {with_gpus[0]['gpus']}"
+            return (f"{where}: start one worker per GPU (NPROC_PER_NODE={n['gpus']} or unset), or check "
+                    f"CUDA_VISIBLE_DEVICES, the job's --gpus-per-node and `nvidia-smi` on {n['host']}")
+    reference = nodes[0]
+    for n in nodes[1:]:
+        if versions(n) != versions(reference):
+            return (f"versions differ between nodes: {n['host']} has {versions(n)}, {reference['host']} has "
+                    f"{versions(reference)}: run every node from the same image or environment (PYTHON, "
+                    "CONTAINER_IMAGE)")
+    return None
+
+
+def check_comm(result: dict[str, Any], nodes: list[dict[str, Any]], min_busbw: Optional[float]) -> Optional[str]:
+    """A wrong sum, or busbw at the largest size below `min_busbw` GB/s."""
+    hosts = ", ".join(n["host"] for n in nodes)
+    wrong = [r for r in result["rows"] if r["wrong"]]
+    if wrong:
+        return (f"all_reduce over {result['ranks']} ranks on {hosts} gave {wrong[0]['wrong']} wrong value(s) at "
+                f"{wrong[0]['size']} bytes: a faulty GPU or link; rerun with NCCL_DEBUG=INFO, check `nvidia-smi -q` "
+                "for ECC errors and replace the node")
+    last = result["rows"][-1]
+    if min_busbw is not None and result["ranks"] > 1 and last["busbw_GBps"] < min_busbw:
+        return (f"all_reduce busbw {last['busbw_GBps']:.3f} GB/s at {last['size']:,} bytes over {result['ranks']} "
+                f"ranks on {hosts} is below PREFLIGHT_MIN_BUSBW={min_busbw:g} GB/s: check that NCCL uses EFA "
+                "(NCCL_DEBUG=INFO names the OFI/EFA provider), the instance types, and rerun `bench comm` "
+                "on node pairs to find a slow one")
+    return None
+
+
+def settings() -> tuple[Optional[float], str]:
+    """(PREFLIGHT_MIN_BUSBW or None, PREFLIGHT_MAX_BYTES)."""
+    raw = os.environ.get("PREFLIGHT_MIN_BUSBW", "").strip()
+    try:
+        min_busbw = float(raw) if raw else None
+    except ValueError:
+        raise ConfigError(f"PREFLIGHT_MIN_BUSBW={raw}: give GB/s as a number, or leave it unset") from None
+    max_bytes = os.environ.get("PREFLIGHT_MAX_BYTES") or ("256MB" if torch.cuda.is_available() else "4MB")
+    try:
+        bench.parse_bytes(max_bytes)
+    except (ValueError, ConfigError):
+        raise ConfigError(f"PREFLIGHT_MAX_BYTES={max_bytes}: give a size such as 64MB") from None
+    return min_busbw, max_bytes
+
+
+def join() -> DistEnv:
+    """The process group: gloo for the facts (CPU objects), NCCL for CUDA tensors.
+
+    No collective touches a GPU before the device counts are checked, so a node with too few
+    GPUs is reported instead of failing inside NCCL.
+    """
+    rank, local_rank, world_size, local_world_size = distributed.read_topology()
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank % torch.cuda.device_count()), "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if world_size > 1:
+        torch_dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                      timeout=TIMEOUT)
+    return DistEnv(rank, local_rank, world_size, local_world_size, device, backend.split(":")[-1])
+
+
+def run() -> Optional[str]:
+    """The checks; the problem found (same on every rank), or None."""
+    min_busbw, max_bytes = settings()
+    dist = join()
+    facts = distributed.all_gather_object(node_facts(dist.local_world_size))
+    nodes = per_node(facts)
+    if dist.is_main:
+        print(f"preflight: {len(nodes)} node(s), {dist.world_size} rank(s)")
+        for n in nodes:
+            print(f"preflight: {describe(n)}", flush=True)
+    problem = check_nodes(nodes)
+    if problem is None:
+        if dist.device.type == "cuda":
+            torch.cuda.set_device(dist.device)
+        # Seven sizes up to the largest: enough to see the bandwidth curve flatten, quick on CPUs.
+        options = {**bench.OPTIONS, "min_bytes": str(max(8, bench.parse_bytes(max_bytes) // 64)), "max_bytes": max_bytes}
+        result = bench.run_comm(dist, options, [])
+        if dist.is_main:
+            bench.report("comm", {**result, "env": bench.environment(dist)})
+        problem = check_comm(result, nodes, min_busbw)
+        if problem is None and dist.is_main:
+            last = result["rows"][-1]
+            print(f"preflight: passed: {len(nodes)} node(s), {dist.world_size} rank(s), busbw "
+                  f"{last['busbw_GBps']:.3f} GB/s at {last['size']:,} bytes"
+                  + (f" (PREFLIGHT_MIN_BUSBW={min_busbw:g})" if min_busbw is not None else ""), flush=True)
+    # The verdict is an object collective (gloo, CPU): it also keeps every rank here until rank 0
+    # has reported. No barrier: with too few GPUs it would run NCCL on a shared device.
+    problem = distributed.broadcast_object(problem)
+    distributed.teardown()
+    return problem
+
+
+def main() -> int:
+    try:
+        problem = run()
+    except ConfigError as exc:
+        problem = str(exc)
+    if problem is None:
+        return 0
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"error: preflight: {problem}", file=sys.stderr, flush=True)
+    return ConfigError.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""`trainer.time_budget_minutes`: plan the run's steps from the measured pace so that
+training ends within the budget.
+
+A step callback. Until the plan is made the run trains with the step count its epochs give;
+at the first log step after it has seen enough steps (5% of the budget, or 50 steps), rank 0
+turns the pace since training started into a number of steps that fits what is left of the
+budget (less a 10% reserve for evaluations and the last snapshot) and broadcasts it. The
+plan is kept in TrainState, so it is in every later snapshot: a resume continues the same
+schedule (the cosine horizon is the plan) instead of planning again on another machine.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Callable
+
+from mingpt_ddp import distributed
+
+if TYPE_CHECKING:
+    from mingpt_ddp.trainer import Trainer
+
+RESERVE = 0.10  # of the budget, for evaluations and the final snapshot
+CALIBRATION_SHARE = 0.05  # of the budget spent measuring the pace, at most
+CALIBRATION_STEPS = 50  # ... or this many steps, whichever comes first
+
+
+class TimeBudget:
+    def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
+        self.budget_s = 60.0 * minutes
+        self._clock = clock
+        self._started = clock()
+        self._start_step: int | None = None
+
+    def __call__(self, trainer: "Trainer") -> None:
+        state = trainer.state
+        if state.planned_steps is not None:
+            return
+        if self._start_step is None:  # the first step of this process (a resume starts later)
+            self._start_step = state.step - 1
+        if state.step % trainer.cfg.log_every:
+            return
+        plan = distributed.broadcast_object(self.plan(state.step) if trainer.dist.is_main else None)
+        if plan is None:
+            return
+        state.planned_steps = plan
+        trainer.total_steps = trainer.planned_steps()
+        trainer.metrics.total_steps = trainer.total_steps
+        trainer.metrics.note(
+            f"time budget {self.budget_s / 60:g} min: {self.steps_per_s(state.step):.2f} steps/s over the first "
+            f"{state.step - self._start_step} steps -> {plan} steps planned; {trainer.total_steps} will run "
+            "(the plan is saved with the snapshots, so a resume keeps it)"
+        )
+
+    def steps_per_s(self, step: int) -> float:
+        return (step - self._start_step) / max(1e-9, self._clock() - self._started)
+
+    def plan(self, step: int):
+        """The run's total steps once the pace is known; None while still measuring."""
+        elapsed = self._clock() - self._started
+        if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
+            return None
+        left = (1.0 - RESERVE) * self.budget_s - elapsed
+        return max(step, step + math.floor(left * self.steps_per_s(step)))

@@ -1,0 +1,341 @@
+"""Launching on clusters as ParallelCluster and HyperPod users do, without a Slurm cluster:
+a Python without this package (a mounted checkout in a container image), a missing
+dependency, torch elastic's error record, EFA settings, and train.sbatch's decisions (Pyxis,
+HyperPod, srun options, flight recorder) with fake `srun`/`fi_info`/`sinfo` on PATH. The
+checks on the real two-node Slurm cluster are in tests/test_slurm.py."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from conftest import MAIN, REPO, TINY, output
+
+MULTINODE = REPO / "launch" / "multinode.sh"
+SBATCH_SCRIPT = REPO / "launch" / "train.sbatch"
+SITE_PACKAGES = Path(sysconfig.get_paths()["purelib"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(**settings: str) -> dict:
+    """No Slurm, no torchrun, no PYTHONPATH (which would import this checkout some other way)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "FI_", "EFA", "PREFLIGHT", "TORCH_FR", "TORCH_NCCL"))
+           and k not in ("PYTHONPATH", "EC2_INSTANCE_TYPE", "HYPERPOD_MARKER", "SRUN_ARGS", "CONTAINER_IMAGE")}
+    env.update(PYTHONUNBUFFERED="1", **settings)
+    return env
+
+
+def venv_without_package(root: Path, leave_out: tuple[str, ...] = ()) -> Path:
+    """A Python environment with this venv's third-party packages (torch, hydra-core,
+    omegaconf, fsspec, ...) but not this package: a plain venv whose .pth names a directory of
+    links to the packages, without the editable install's finder (and without `leave_out`)."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, capture_output=True)
+    shelf = root / "shelf"
+    shelf.mkdir()
+    for entry in SITE_PACKAGES.iterdir():
+        name = entry.name.lower()
+        if "mingpt" in name or name.endswith(".pth") or name.startswith(leave_out):
+            continue
+        (shelf / entry.name).symlink_to(entry)
+    site = Path(subprocess.run([str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "shelf.pth").write_text(f"{shelf}\n")
+    return root / "bin" / "python"
+
+
+def fake_command(bin_dir: Path, name: str, script: str) -> None:
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text("#!/usr/bin/env bash\n" + script)
+    (bin_dir / name).chmod(0o755)
+
+
+# ---- a checkout without the package installed -------------------------------------------------
+def test_multinode_runs_a_checkout_with_a_python_that_lacks_the_package(tmp_path, small_corpus):
+    """PYTHON= an environment with torch, hydra-core, omegaconf and fsspec but without this
+    package (as a container image with the checkout mounted, or a conda env): multinode.sh
+    trains with 2 workers, main.py importing the package from the checkout it lives in."""
+    python = venv_without_package(tmp_path / "env")
+    probe = subprocess.run([str(python), "-c", "import torch, hydra, omegaconf, fsspec; import mingpt_ddp"],
+                           cwd=tmp_path, capture_output=True, text=True, env=clean_env())
+    assert "No module named 'mingpt_ddp'" in probe.stderr, output(probe)  # the dependencies are there, the package is not
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [str(MULTINODE), *TINY, f"data.path={small_corpus}", "trainer.max_steps=6", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=clean_env(PYTHON=str(python), NPROC_PER_NODE="2", RDZV_PORT=str(free_port()), MAX_RESTARTS="0"),
+    )
+    out = output(proc)
+    assert proc.returncode == 0, out
+    assert f"python={python}" in out and "on 2 process(es)" in out and "done: step 6" in out, out
+    assert (run_dir / "snapshot.pt").exists()
+
+
+def test_missing_dependency_is_one_line_from_one_rank(tmp_path, small_corpus):
+    """hydra-core missing from the environment: under torchrun with 2 workers, one `error:`
+    line naming the package and the pip command for this interpreter, exit code 2, no
+    ImportError traceback from the workers."""
+    python = venv_without_package(tmp_path / "env", leave_out=("hydra",))
+    proc = subprocess.run(
+        [str(python), "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", MAIN, *TINY,
+         f"data.path={small_corpus}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180, env=clean_env(),
+    )
+    out = output(proc)
+    assert proc.returncode != 0, out
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, out
+    assert "hydra-core" in errors[0] and f"{python} -m pip install 'hydra-core>=1.3'" in errors[0], errors
+    assert "ModuleNotFoundError" not in out and "exitcode  : 2" in out, out
+
+
+# ---- torch elastic's error record ---------------------------------------------------------------
+BUG_ON_RANK_1 = '''
+import importlib.abc, importlib.util, os, sys
+class _InjectBug(importlib.abc.MetaPathFinder):
+    """Make Trainer.fit raise on rank 1: a bug, not a user error."""
+    def find_spec(self, name, path, target=None):
+        if name != "mingpt_ddp.trainer" or os.environ.get("RANK") != "1":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            def fit(self):
+                raise RuntimeError("injected bug on rank 1")
+            module.Trainer.fit = fit
+        spec.loader.exec_module = exec_module
+        return spec
+sys.meta_path.insert(0, _InjectBug())
+'''
+
+
+def test_a_bug_reaches_torchruns_failure_summary_with_its_rank_and_traceback(tmp_path, small_corpus):
+    """main is wrapped in torch elastic's @record: when rank 1 raises, torchrun's summary names
+    rank 1 and shows the exception and its traceback (not "error_file: <N/A>")."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BUG_ON_RANK_1)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", MAIN, *TINY,
+         f"data.path={small_corpus}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env=clean_env(PYTHONPATH=f"{site}{os.pathsep}{REPO}"),
+    )
+    out = output(proc)
+    assert proc.returncode != 0, out
+    summary = out[out.index("Root Cause"):] if "Root Cause" in out else out
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", summary), out
+    assert "RuntimeError: injected bug on rank 1" in summary and "error_file: <N/A>" not in summary, out
+
+
+# ---- EFA ------------------------------------------------------------------------------------------
+def topology(tmp_path: Path, **settings: str) -> str:
+    proc = subprocess.run([str(MULTINODE), "model=gpt-nano"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=clean_env(DRY_RUN="1", **settings))
+    assert proc.returncode == 0, output(proc)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("multinode: topology:")]
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+def test_efa_auto_on_off_and_user_values_kept(tmp_path):
+    """EFA=auto turns on when `fi_info -p efa` finds a device, else stays off; EFA=1 forces it
+    on, EFA=0 off. On: FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 only on instance types
+    with RDMA read; a value the user exported is kept. The topology line says which."""
+    with_efa, without_efa = tmp_path / "efa", tmp_path / "noefa"
+    fake_command(with_efa, "fi_info", '[ "$*" = "-p efa" ] && echo "provider: efa" && exit 0\nexit 1\n')
+    fake_command(without_efa, "fi_info", 'echo "fi_getinfo: -61 (No data available)" >&2\nexit 1\n')
+    path = os.environ["PATH"]
+
+    line = topology(tmp_path, PATH=f"{with_efa}:{path}", EC2_INSTANCE_TYPE="p5.48xlarge")
+    assert "efa=on (auto: EFA devices found; FI_PROVIDER=efa set, FI_EFA_USE_DEVICE_RDMA=1 set" in line, line
+    line = topology(tmp_path, PATH=f"{without_efa}:{path}", EC2_INSTANCE_TYPE="p5.48xlarge")
+    assert "efa=off (auto: no EFA device)" in line and "FI_PROVIDER" not in line, line
+    line = topology(tmp_path, PATH=f"{with_efa}:{path}", EFA="0")
+    assert "efa=off (EFA=0)" in line, line
+    line = topology(tmp_path, PATH=f"{without_efa}:{path}", EFA="1", EC2_INSTANCE_TYPE="g5.48xlarge")
+    assert "FI_PROVIDER=efa set" in line and "FI_EFA_USE_DEVICE_RDMA left unset" in line, line
+    line = topology(tmp_path, PATH=f"{with_efa}:{path}", FI_PROVIDER="tcp", FI_EFA_USE_DEVICE_RDMA="0",
+                    EC2_INSTANCE_TYPE="p4d.24xlarge")
+    assert "FI_PROVIDER=tcp kept" in line and "FI_EFA_USE_DEVICE_RDMA=0 kept" in line, line
+
+    bad = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                         env=clean_env(DRY_RUN="1", EFA="yes"))
+    assert bad.returncode == 1 and "EFA=yes" in bad.stderr, bad.stderr
+
+
+def test_efa_settings_reach_the_agent_environment(tmp_path):
+    """What torchrun (and so every worker) inherits, seen by a stand-in PYTHON: the EFA
+    variables set, the user's kept, and compile threads matching OMP_NUM_THREADS."""
+    fake_bin = tmp_path / "bin"
+    fake_command(fake_bin, "fi_info", "exit 0\n")
+    fake_command(fake_bin, "python-env", 'env | grep -E "^(FI_|TORCHINDUCTOR_COMPILE_THREADS|OMP_NUM_THREADS)" | sort\n')
+    env = clean_env(PATH=f"{fake_bin}:{os.environ['PATH']}", PYTHON=str(fake_bin / "python-env"),
+                    HEAD_NODE="127.0.0.1", IS_HEAD="1", FI_EFA_USE_DEVICE_RDMA="0", EC2_INSTANCE_TYPE="p4d.24xlarge",
+                    NPROC_PER_NODE="2")
+    env.pop("OMP_NUM_THREADS", None)
+    env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    proc = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, output(proc)
+    seen = dict(line.split("=", 1) for line in proc.stdout.split())
+    assert seen["FI_PROVIDER"] == "efa" and seen["FI_EFA_USE_DEVICE_RDMA"] == "0", seen
+    assert seen["TORCHINDUCTOR_COMPILE_THREADS"] == seen["OMP_NUM_THREADS"], seen
+
+
+def test_preflight_commands(tmp_path):
+    """PREFLIGHT=1: the checks run first, through torchrun with this node's topology, on their
+    own rendezvous (id and port) and never restarted; then training. only: just the checks."""
+    proc = subprocess.run([str(MULTINODE), "model=gpt-nano"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=clean_env(DRY_RUN="1", PREFLIGHT="1", NPROC_PER_NODE="2", RDZV_PORT="31000",
+                                                    RUN_ID="exp"))
+    assert proc.returncode == 0, output(proc)
+    check, train = proc.stdout.splitlines()
+    for part in ("--nproc_per_node=2", "--rdzv_endpoint=127.0.0.1:31001", "--rdzv_id=exp-preflight",
+                 "--max-restarts=0", "-m mingpt_ddp.preflight"):
+        assert part in check, check
+    assert "--rdzv_endpoint=127.0.0.1:31000" in train and "mingpt_ddp/main.py model=gpt-nano" in train, train
+    only = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env=clean_env(DRY_RUN="1", PREFLIGHT="only"))
+    assert only.stdout.count("\n") == 1 and "mingpt_ddp.preflight" in only.stdout, only.stdout
+
+
+# ---- train.sbatch's decisions, with a fake srun ---------------------------------------------------
+FAKE_SRUN = '''
+if [ "$1" = --help ]; then
+  echo "Usage: srun [OPTIONS(0)...]"
+  [ -n "$FAKE_PYXIS" ] && echo "      --container-image=[USER@][REGISTRY#]IMAGE[:TAG]|PATH"
+  exit 0
+fi
+printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
+env | grep -E '^TORCH_(FR|NCCL)_' | sort >> "$FAKE_SRUN_LOG.env"
+'''
+
+
+def fake_sbatch_run(tmp_path: Path, *args: str, **settings: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """train.sbatch run as Slurm would (its environment), with a fake srun on PATH:
+    (result, srun's arguments or [] when not called, the step's TORCH_* environment)."""
+    fake_bin = tmp_path / "bin"
+    fake_command(fake_bin, "srun", FAKE_SRUN)
+    fake_command(fake_bin, "scontrol", "exit 1\n")
+    log = tmp_path / "srun.args"
+    for stale in (log, Path(f"{log}.env")):
+        stale.unlink(missing_ok=True)
+    env = clean_env(**{"PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(log), "SLURM_JOB_ID": "777",
+                       "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_SUBMIT_DIR": str(REPO),
+                       "REPO_DIR": str(REPO), "HYPERPOD_MARKER": str(tmp_path / "no-such-dir"), **settings})
+    proc = subprocess.run(["bash", str(SBATCH_SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=env)
+    srun_args = log.read_text().splitlines() if log.exists() else []
+    step_env = Path(f"{log}.env").read_text() if Path(f"{log}.env").exists() else ""
+    return proc, srun_args, step_env
+
+
+def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
+    """CONTAINER_IMAGE set but srun has no --container-image (Pyxis not in the compute nodes'
+    plugstack.conf): one message saying what to check, no step started."""
+    proc, srun_args, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", CONTAINER_IMAGE="/fsx/apps/mingpt-ddp.sqsh")
+    out = output(proc)
+    assert proc.returncode == 1 and srun_args == [], out
+    assert "no --container-image option" in out and "plugstack.conf" in out and "Pyxis" in out, out
+
+    proc, srun_args, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", CONTAINER_IMAGE="/fsx/apps/mingpt-ddp.sqsh",
+                                         CONTAINER_MOUNTS="/fsx:/fsx", FAKE_PYXIS="1")
+    assert proc.returncode == 0, output(proc)
+    assert "--container-image=/fsx/apps/mingpt-ddp.sqsh" in srun_args, srun_args
+    assert f"--container-mounts={REPO}:{REPO},/fsx:/fsx" in srun_args, srun_args
+
+
+def test_sbatch_hyperpod_auto_resume_and_srun_args(tmp_path):
+    """Where /opt/sagemaker_cluster exists (HYPERPOD_MARKER here), srun gets --auto-resume=1 and
+    the log says so; elsewhere it does not. SRUN_ARGS adds options; --kill-on-bad-exit=1 always."""
+    marker = tmp_path / "sagemaker_cluster"
+    marker.mkdir()
+    proc, srun_args, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", HYPERPOD_MARKER=str(marker),
+                                         SRUN_ARGS="--cpu-bind=none --mpi=none")
+    out = output(proc)
+    assert proc.returncode == 0, out
+    assert "--auto-resume=1" in srun_args and "HyperPod" in out and "--auto-resume=1" in out, out
+    assert {"--kill-on-bad-exit=1", "--cpu-bind=none", "--mpi=none"} <= set(srun_args), srun_args
+    assert srun_args[-2:] == ["launch/multinode.sh", "model=gpt-nano"], srun_args
+
+    proc, srun_args, _ = fake_sbatch_run(tmp_path, "model=gpt-nano")
+    assert proc.returncode == 0 and "--auto-resume=1" not in srun_args and "HyperPod" not in output(proc)
+
+
+def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
+    """The step runs with the NCCL flight recorder on (trace buffer, dump on timeout) dumping
+    into the run directory (outputs/slurm-<job id>, or hydra.run.dir); exported values win.
+    The header asks Slurm to start only when all nodes are up and to warn 300 s ahead."""
+    _, _, step_env = fake_sbatch_run(tmp_path)
+    assert f"TORCH_FR_DUMP_TEMP_FILE={REPO}/outputs/slurm-777/nccl_trace/rank_" in step_env, step_env
+    assert f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE={REPO}/outputs/slurm-777/nccl_trace/rank_" in step_env, step_env
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in step_env and "TORCH_FR_BUFFER_SIZE=2000" in step_env, step_env
+    _, _, step_env = fake_sbatch_run(tmp_path, f"hydra.run.dir={tmp_path}/run", TORCH_FR_BUFFER_SIZE="500")
+    assert f"TORCH_FR_DUMP_TEMP_FILE={tmp_path}/run/nccl_trace/rank_" in step_env, step_env
+    assert "TORCH_FR_BUFFER_SIZE=500" in step_env and "TORCH_NCCL_TRACE_BUFFER_SIZE=500" in step_env, step_env
+    header = SBATCH_SCRIPT.read_text()
+    assert "\n#SBATCH --wait-all-nodes=1\n" in header and "\n#SBATCH --signal=B:USR1@300\n" in header
+
+
+# ---- pre-flight verdicts and the submitit CPU default (pure logic) -------------------------------
+def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.1+cu124", **extra) -> dict:
+    return {"host": host, "workers": workers, "gpus": gpus, "gpu_models": ["NVIDIA H100 80GB HBM3"] if gpus else [],
+            "gpu_memory_gib": 79.1 if gpus else 0, "cpu_cores": 96, "torch": torch_version,
+            "cuda": "12.4" if gpus else None, "nccl": "2.21.5" if gpus else None, "python": "3.11.9", **extra}
+
+
+def test_preflight_node_checks_name_the_node():
+    from mingpt_ddp.preflight import check_comm, check_nodes
+
+    assert check_nodes([facts("gpu-1"), facts("gpu-2")]) is None
+    problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=4)])
+    assert "node gpu-2 has 4 GPU(s) for 8 worker(s)" in problem, problem
+    problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=0)])
+    assert "node gpu-2 has 0 GPU(s) for 8 worker(s) while node gpu-1 has 8" in problem, problem
+    problem = check_nodes([facts("gpu-1"), facts("gpu-2", torch_version="2.4.0+cu121")])
+    assert "versions differ" in problem and "gpu-2 has torch 2.4.0+cu121" in problem, problem
+    assert check_nodes([facts("cpu-1", workers=2, gpus=0), facts("cpu-2", workers=1, gpus=0)]) is None
+
+    rows = [{"size": 1 << 20, "wrong": 0, "busbw_GBps": 40.0}, {"size": 1 << 28, "wrong": 0, "busbw_GBps": 180.5}]
+    nodes = [facts("gpu-1"), facts("gpu-2")]
+    assert check_comm({"ranks": 16, "rows": rows}, nodes, None) is None
+    assert check_comm({"ranks": 16, "rows": rows}, nodes, 150) is None
+    problem = check_comm({"ranks": 16, "rows": rows}, nodes, 300)
+    assert "busbw 180.500 GB/s at 268,435,456 bytes" in problem and "gpu-1, gpu-2" in problem, problem
+    bad = [{**rows[0], "wrong": 3}, rows[1]]
+    assert "3 wrong value(s)" in check_comm({"ranks": 16, "rows": bad}, nodes, None)
+
+
+def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):
+    """cpus_per_task defaults to the smallest node's CPUs (sinfo; the default partition is the
+    one marked *) / tasks per node; None where sinfo is missing or fails."""
+    from mingpt_ddp import cluster
+
+    fake_command(tmp_path, "sinfo", '''
+if [ "$*" = "-h -N -o %c %P -p gpu" ]; then printf "96 gpu\\n192 gpu\\n"; exit 0; fi
+if [ "$*" = "-h -N -o %c %P" ]; then printf "8 cpu*\\n8 cpu*\\n96 gpu\\n"; exit 0; fi
+exit 1
+''')
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cluster.node_cpus.cache_clear()
+    assert cluster.cpus_per_task("gpu", 8) == 12
+    assert cluster.cpus_per_task(None, 1) == 8
+    assert cluster.cpus_per_task("missing", 8) is None
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    cluster.node_cpus.cache_clear()
+    assert cluster.cpus_per_task("gpu", 8) is None
+    cluster.node_cpus.cache_clear()
