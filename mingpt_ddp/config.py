@@ -7,7 +7,6 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from mingpt_ddp import loggers
 from mingpt_ddp.errors import ConfigError
 
 # Collectives wait this long beyond the longest a rank may legitimately keep the others
@@ -102,6 +102,10 @@ class TrainerConfig:
     # Also write the metrics as TensorBoard scalars (rank 0, <run dir>/tensorboard); needs
     # the `tensorboard` extra.
     tensorboard: bool = False
+    # A torch.profiler trace of the steps between profile_steps[0] and profile_steps[1] (as
+    # the log counts them), on rank 0, into <run dir>/profile (profiling.py).
+    profile: bool = False
+    profile_steps: List[int] = field(default_factory=lambda: [10, 15])
     ddp_bucket_cap_mb: float = 25.0  # DDP gradient bucket size: larger, fewer all-reduces; smaller, earlier overlap
     ddp_static_graph: bool = False  # DDP static_graph: the same parameters are used every step (true here)
     # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
@@ -118,6 +122,40 @@ class TrainerConfig:
 
 
 @dataclass
+class TensorBoardLoggerConfig:
+    enabled: bool = False  # logger=tensorboard (or trainer.tensorboard=true) turns it on
+    dir: Optional[str] = None  # null: <run dir>/tensorboard
+
+
+@dataclass
+class MLflowLoggerConfig:
+    enabled: bool = False  # logger=mlflow turns it on
+    # null: $MLFLOW_TRACKING_URI when set, else a file store in <run dir>/mlruns (a sweep's: <sweep dir>/mlruns).
+    tracking_uri: Optional[str] = None
+    experiment: str = "mingpt-ddp"
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
+@dataclass
+class WandbLoggerConfig:
+    enabled: bool = False  # logger=wandb turns it on
+    project: str = "mingpt-ddp"
+    entity: Optional[str] = None
+    mode: Optional[str] = None  # online | offline | disabled; null: $WANDB_MODE, else online
+    run_name: Optional[str] = None  # null: the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """Where rank 0 also sends the metrics (loggers.py). ``logger=[mlflow,tensorboard]``
+    selects conf/logger/mlflow.yaml and tensorboard.yaml, which turn those on."""
+
+    tensorboard: TensorBoardLoggerConfig = field(default_factory=TensorBoardLoggerConfig)
+    mlflow: MLflowLoggerConfig = field(default_factory=MLflowLoggerConfig)
+    wandb: WandbLoggerConfig = field(default_factory=WandbLoggerConfig)
+
+
+@dataclass
 class SweepConfig:
     # In a multirun, a point failing with a config/data error is recorded as failed and
     # the sweep goes on; true stops the sweep at the first failing point.
@@ -131,6 +169,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
 def run_id() -> str:
@@ -217,8 +256,10 @@ def validate(cfg: Any) -> None:
     if t.snapshot_every_minutes is not None:
         _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
-    if t.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("trainer.tensorboard=true needs TensorBoard: pip install -e '.[tensorboard]'")
+    loggers.check(cfg)
+    if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
+        raise ConfigError(f"trainer.profile_steps={list(t.profile_steps)} must be [first, last] with "
+                          "0 <= first < last, e.g. trainer.profile_steps=[10,15]")
     if t.grad_clip < 0:
         raise ConfigError(f"trainer.grad_clip={t.grad_clip} must be >= 0 (0 turns clipping off)")
     if t.save_retry_minutes <= 0:

@@ -42,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import cluster, config, distributed, sample, storage, token_cache
+from mingpt_ddp import cluster, config, distributed, loggers, profiling, sample, storage, token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -200,8 +200,13 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: Snapsh
         "model_config": dict(vars(model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0,
-                         tensorboard_dir=os.path.join(run_dir, "tensorboard") if cfg.trainer.tensorboard else None)
+    sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank
+    previous_runs = snapshot.get("logger_runs") if found is not None else None
+    distributed.on_main_then_share(lambda: sinks.extend(loggers.open_sinks(cfg, metadata["config"], run_dir,
+                                                                           previous_runs)), dist)
+    metadata["logger_runs"] = loggers.run_ids(sinks)  # a resume continues the same tracker runs
+    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
+    outcome = "failed"
     try:
         trainer = Trainer(
             cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
@@ -213,11 +218,13 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: Snapsh
         metrics.total_steps = trainer.total_steps
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(TimeBudget(cfg.trainer.time_budget_minutes))
-        val_loss = trainer.fit()
+        with profiling.profile_steps(trainer, cfg.trainer, run_dir):
+            val_loss = trainer.fit()
+        outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and dist.is_main:
             metrics.note(sample.preview(model, vocab, run_dir))
     finally:
-        metrics.close()
+        metrics.close(outcome)
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url
 
 

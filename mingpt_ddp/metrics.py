@@ -7,9 +7,11 @@ import math
 import re
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
+
+from mingpt_ddp import loggers
 
 log = logging.getLogger("mingpt_ddp.train")
 
@@ -18,11 +20,12 @@ class MetricsLog:
     """One JSON object per logged step in `metrics.jsonl`, plus a human view of it.
 
     The human view is a progress bar when stderr is a terminal and plain periodic log lines
-    otherwise (Slurm and CI logs). Only rank 0 makes one with `enabled=True`.
+    otherwise (Slurm and CI logs). The same records go to the experiment trackers in
+    `sinks` (loggers.py: TensorBoard, MLflow, W&B). Only rank 0 makes one with `enabled=True`.
     """
 
     def __init__(self, path: Optional[str], enabled: bool, total_steps: int,
-                 tensorboard_dir: Optional[str] = None):
+                 sinks: Sequence[loggers.Sink] = ()):
         self.enabled = enabled
         self.total_steps = total_steps
         self.interactive = enabled and sys.stderr.isatty()
@@ -30,21 +33,14 @@ class MetricsLog:
         self._opened = self._clock()
         self._first_progress: Optional[tuple[float, int]] = None  # (time, step) of the first train record
         self._file = open(path, "a", buffering=1) if enabled and path else None
-        self._tensorboard = None
-        if enabled and tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tensorboard = SummaryWriter(tensorboard_dir)
+        self.sinks = list(sinks) if enabled else []
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         if self._file:
             self._file.write(json.dumps(record) + "\n")
-        if self._tensorboard is not None:  # the same scalars, for users who live in TensorBoard
-            for key, value in record.items():
-                if key not in ("step", "epoch") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._tensorboard.add_scalar(key, value, record["step"])
+        loggers.fan_out(self.sinks, record)
         if "train_loss" in record:
             self._show_progress(record)
         if record.get("val_loss") is not None:
@@ -88,15 +84,15 @@ class MetricsLog:
             sys.stderr.write("\n")
         log.info(message)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """`outcome` (finished, stopped, failed) is how the trackers' runs end."""
         if self.interactive:
             sys.stderr.write("\n")
         if self._file:
             self._file.close()
             self._file = None
-        if self._tensorboard is not None:
-            self._tensorboard.close()
-            self._tensorboard = None
+        loggers.close_all(self.sinks, outcome)
+        self.sinks = []
 
 
 def format_duration(seconds: float) -> str:

@@ -21,9 +21,11 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from mingpt_ddp.plot import plot_runs
+from mingpt_ddp.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
+
 log = logging.getLogger(__name__)
 
-RESULT_FILE = "result.json"
 COLUMNS = ["point", "overrides", "status", "final_train_loss", "final_val_loss", "best_val_loss",
            "tokens_per_s", "wall_s", "snapshot", "error"]
 
@@ -34,27 +36,6 @@ def write_result(run_dir: str, record: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def overrides_of(run_dir: Path) -> list[str]:
-    path = run_dir / ".hydra" / "overrides.yaml"
-    if not path.exists():
-        return []
-    return [line[2:].strip() for line in path.read_text().splitlines() if line.startswith("- ")]
-
-
-def distinguishing_overrides(run_dirs: list[Path]) -> dict[Path, str]:
-    """Each point's overrides minus those every point shares: what the sweep varied."""
-    per_run = {d: overrides_of(d) for d in run_dirs}
-    shared = set.intersection(*(set(o) for o in per_run.values())) if len(per_run) > 1 else set()
-    return {d: " ".join(o for o in overrides if o not in shared) for d, overrides in per_run.items()}
 
 
 def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
@@ -76,13 +57,6 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
         "snapshot": result.get("snapshot"),
         "error": result.get("error", ""),
     }
-
-
-def sweep_points(sweep_dir: Path) -> list[Path]:
-    """The point directories of a sweep, in job order."""
-    points = [p for p in sweep_dir.iterdir() if p.is_dir() and ((p / RESULT_FILE).exists() or (p / ".hydra").exists()
-                                                                or (p / "metrics.jsonl").exists())]
-    return sorted(points, key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit() else 0, p.name))
 
 
 _FORMATS = {"final_train_loss": "{:.4f}", "final_val_loss": "{:.4f}", "best_val_loss": "{:.4f}",
@@ -120,10 +94,6 @@ def write_summary(sweep_dir: str) -> str:
 
 
 def _try_plot(root: Path) -> Optional[str]:
-    try:
-        from mingpt_ddp.plot import plot_runs
-    except ImportError:
-        return None
     try:
         png = plot_runs(root, root / "losses.png")
     except ImportError:

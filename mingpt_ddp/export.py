@@ -1,0 +1,87 @@
+"""Export a trained model for people who do not have this package.
+
+    python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir>
+
+A snapshot starts with a header line and holds the optimizer and RNG states too, so plain
+``torch.load`` cannot read it. The export directory holds only the model:
+
+    weights.pt     the model's state_dict: tensors only, read with torch.load(weights_only=True)
+    config.json    the model's shape (model_config), the vocabulary (character i has id i),
+                   and where the weights came from (step, validation loss, source)
+    model.py       the model definition: a copy of mingpt_ddp/model.py, which needs only torch
+
+Plain PyTorch loads it with `model.py` on the path (see README "Export"). weights.pt rather
+than safetensors: it loads with torch alone, and weights_only=True refuses anything but
+tensors and plain containers. With ``--safetensors`` (needs `pip install safetensors`)
+model.safetensors is written too, for tools that read that format.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from typing import Any, Optional
+
+import torch
+
+from mingpt_ddp import model as model_module
+from mingpt_ddp import storage
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.sample import snapshot_store_for
+
+USAGE = "usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors]"
+FORMAT = "mingpt-ddp-export 1"
+
+
+def export(source: str, out_dir: str, safetensors: bool = False) -> dict[str, Any]:
+    """Write weights.pt, config.json and model.py (and model.safetensors) to `out_dir`;
+    return what config.json says."""
+    found = snapshot_store_for(source).load_latest()
+    if found is None:
+        raise ConfigError(f"no snapshot at {source}: give a snapshot file or a run directory that has one")
+    snapshot, where = found
+    if safetensors:
+        try:
+            from safetensors.torch import save_model
+        except ImportError:
+            raise ConfigError("--safetensors needs safetensors: pip install safetensors") from None
+    model = model_module.GPT(model_module.GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])  # a state_dict that does not fit fails here, not at the user's
+    state = snapshot["train_state"]
+    meta = {
+        "format": FORMAT,
+        "model_config": snapshot["model_config"],
+        "vocab": list(snapshot["vocab"]),
+        "trained": {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
+                    "val_loss": state.get("last_val_loss"), "source": storage.redact(where)},
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    torch.save(model.state_dict(), os.path.join(out_dir, "weights.pt"))
+    if safetensors:
+        save_model(model, os.path.join(out_dir, "model.safetensors"))  # the tied head is stored once
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    shutil.copyfile(model_module.__file__, os.path.join(out_dir, "model.py"))
+    return meta
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    flags = [a for a in argv if a.startswith("--")]
+    positional = [a for a in argv if not a.startswith("--")]
+    if len(positional) != 2 or set(flags) - {"--safetensors"}:
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    try:
+        meta = export(positional[0], positional[1], safetensors="--safetensors" in flags)
+    except ConfigError as exc:
+        print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    trained = meta["trained"]
+    print(f"exported step {trained['step']} (val_loss {trained['val_loss']}) from {trained['source']} to {positional[1]}")
+
+
+if __name__ == "__main__":
+    cli()

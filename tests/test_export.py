@@ -1,0 +1,97 @@
+"""Export: a trained model that plain PyTorch loads, without this package."""
+import json
+import re
+import subprocess
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, TINY, load_snapshot, output, run_cli
+
+
+def readme_snippet(section: str) -> str:
+    """The first Python block of a README section: the test runs what users are shown."""
+    text = (REPO / "README.md").read_text()
+    body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(r"```python\n(.*?)```", body, re.S)[1]
+
+
+# Runs with -I (no PYTHONPATH, no current directory on the path) and mingpt_ddp made
+# unimportable: only torch and the exported files.
+PLAIN_PYTORCH = """
+import sys
+sys.modules["mingpt_ddp"] = None
+{snippet}
+import json as _json
+torch.manual_seed(0)
+x = torch.randint(0, len(meta["vocab"]), (2, 24))
+with torch.no_grad():
+    logits, _ = model(x)
+print(_json.dumps({{"x": x.tolist(), "logits": logits.tolist(), "modules": sorted(m for m, mod in sys.modules.items() if m.startswith("mingpt") and mod is not None)}}))
+"""
+
+
+def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logits(tmp_path, small_corpus):
+    run_dir = tmp_path / "run"
+    proc = run_cli([*TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}", "trainer.max_steps=10"])
+    assert proc.returncode == 0, output(proc)
+    exported = tmp_path / "exported"
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", str(run_dir), str(exported)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "exported step 10" in proc.stdout
+    assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.py", "weights.pt"]
+    meta = json.loads((exported / "config.json").read_text())
+    snapshot = load_snapshot(run_dir / "snapshot.pt")
+    assert meta["vocab"] == list(snapshot["vocab"]) and meta["trained"]["step"] == 10
+
+    plain = subprocess.run([PYTHON, "-I", "-c", PLAIN_PYTORCH.format(snippet=readme_snippet("Export"))],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    result = json.loads(plain.stdout.splitlines()[-1])
+    assert result["modules"] == []
+
+    from mingpt_ddp.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])
+    model.eval()
+    with torch.no_grad():
+        expected, _ = model(torch.tensor(result["x"]))
+    torch.testing.assert_close(torch.tensor(result["logits"]), expected, rtol=0, atol=1e-6)
+
+
+def test_export_needs_a_snapshot(tmp_path):
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", str(tmp_path), str(tmp_path / "out")], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no snapshot at") and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_from_an_s3_snapshot_with_safetensors(tmp_path, moto_s3):
+    """A snapshot written straight to S3 (no local run directory), exported with --safetensors."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from dataclasses import asdict
+
+    from conftest import s3_env
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.snapshot import encode
+    from mingpt_ddp.trainer import TrainState
+
+    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    torch.manual_seed(1)
+    model = GPT(cfg)
+    state = {"model": model.state_dict(), "model_config": asdict(cfg), "vocab": "abcde",
+             "train_state": asdict(TrainState(step=7))}
+    moto_s3.make_bucket("exports")
+    moto_s3.client().put_object(Bucket="exports", Key="runs/a/snapshot.pt", Body=encode(state, 7))
+    out = tmp_path / "out"
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", "s3://exports/runs/a", str(out), "--safetensors"],
+                          cwd=REPO, env=s3_env(moto_s3), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = GPT(cfg)
+    missing, unexpected = safetensors_torch.load_model(loaded, out / "model.safetensors")
+    assert not missing and not unexpected
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert json.loads((out / "config.json").read_text())["trained"]["source"] == "s3://exports/runs/a/snapshot.pt"
