@@ -303,21 +303,7 @@ class SnapshotStore:
             self.fs.pipe_file(tmp, blob)
             self.fs.mv(tmp, path)
             return
-        directory = os.path.dirname(path) or "."
-        tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
-        try:
-            with open(tmp, "wb") as f:
-                if callable(blob):
-                    blob(f)
-                else:
-                    f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        _fsync_dir(directory)
+        storage.write_local_atomically(path, blob if callable(blob) else (lambda f: f.write(blob)))
 
     def _point_latest_at(self, step_file: str) -> None:
         if self.is_object_store:
@@ -336,7 +322,7 @@ class SnapshotStore:
         finally:
             if os.path.lexists(tmp):
                 os.unlink(tmp)
-        _fsync_dir(os.path.dirname(self.path) or ".")
+        storage.fsync_dir(os.path.dirname(self.path) or ".")
 
     def save(self, blob: Union[bytes, dict[str, Any]], step: int) -> str:
         """Save an encoded snapshot, or a state dict (streamed into a local file, encoded
@@ -394,20 +380,6 @@ def verify(blob: bytes, where: str = "snapshot") -> Optional[str]:
     if hashlib.sha256(payload).hexdigest() != match[4].decode():
         return f"{where}: checksum mismatch (the file was modified or damaged)"
     return None
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename durable: without this a power loss can undo it on some filesystems."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class BackgroundSaver:

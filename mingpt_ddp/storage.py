@@ -18,7 +18,8 @@ import os
 import re
 import sys
 import time
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+import uuid
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Optional, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
@@ -176,23 +177,61 @@ def scrub_url_secrets(directories: Iterable[str]) -> None:
     """Redact URL query secrets from the YAML files Hydra wrote into `directories`
     (.hydra/config.yaml, overrides.yaml, hydra.yaml; a sweep's multirun.yaml)."""
     for directory in directories:
-        if not os.path.isdir(directory):
+        _rewrite_yaml_files(directory, redact_url_secrets)
+
+
+def write_local_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """`path` appears whole or not at all: `write` fills a temp file in the same directory (a
+    rename never crosses filesystems), then fsync, os.replace, and fsync of the directory so
+    that a power loss cannot undo the rename. The file gets the usual permissions (umask)."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(directory)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename durable: without this a power loss can undo it on some filesystems."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _rewrite_yaml_files(directory: str, rewrite: Callable[[str], str]) -> None:
+    """Apply `rewrite` to the text of each YAML file in `directory`, replacing a file (atomically)
+    only when its text changes."""
+    if not os.path.isdir(directory):
+        return
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not name.endswith(".yaml") or not os.path.isfile(path):
             continue
-        for name in sorted(os.listdir(directory)):
-            path = os.path.join(directory, name)
-            if not name.endswith(".yaml") or not os.path.isfile(path):
-                continue
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-            cleaned = redact_url_secrets(text)
-            if cleaned == text:
-                continue
-            tmp = f"{path}.redacting-{os.getpid()}"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(cleaned)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        cleaned = rewrite(text)
+        if cleaned == text:
+            continue
+        tmp = f"{path}.redacting-{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(cleaned)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
 
 def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -271,22 +310,12 @@ def scrub_yaml_files(directory: str, secrets: list[str]) -> None:
             return [clean(v) for v in value]
         return value
 
-    if not os.path.isdir(directory):
-        return
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not name.endswith(".yaml") or not os.path.isfile(path):
-            continue
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+    def rewrite(text: str) -> str:
         if not any(secret in text for secret in secrets):
-            continue
-        tmp = f"{path}.redacting-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            yaml.safe_dump(clean(yaml.safe_load(text)), f, sort_keys=False, allow_unicode=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            return text
+        return yaml.safe_dump(clean(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
+
+    _rewrite_yaml_files(directory, rewrite)
 
 
 def redacted_config(container: Any) -> Any:

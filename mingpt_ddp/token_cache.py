@@ -381,19 +381,6 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
-def _write_atomically(path: str, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".writing-")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            write(out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _check_writable(directory: str) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
@@ -438,7 +425,7 @@ def prepare(path: str, download_url: Optional[str], storage_options: Optional[Ma
         _unchanged(sources)
         meta = {"format": FORMAT, "chars": text_chars, "length": length,
                 "sources": [[s.name, s.size, s.version] for s in sources]}
-        _write_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
+        storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
     chars = vocab if vocab is not None else meta["chars"]
     outside = sorted(set(meta["chars"]) - set(chars))
     if outside:
@@ -453,7 +440,7 @@ def prepare(path: str, download_url: Optional[str], storage_options: Optional[Ma
         log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{meta['length']:,}")
     else:
         written = []
-        _write_atomically(token_path, lambda out: written.append(write_ids(sources, chars, out)))
+        storage.write_local_atomically(token_path, lambda out: written.append(write_ids(sources, chars, out)))
         if written[0] != meta["length"]:
             os.unlink(token_path)
             raise ConfigError(f"data.path={path} changed while it was being encoded: start again once it is stable")
