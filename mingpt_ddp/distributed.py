@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
@@ -206,31 +207,47 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES) -> DistEn
     return _current
 
 
-def first_to_report(message: str, context: str = "", wait_s: float = 5.0) -> bool:
-    """Whether this rank should print `message`: the first rank to report it does.
+def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_grace_s: float = 2.0) -> bool:
+    """Whether this rank should print `message`: once per job, by rank 0 when it hit it too.
 
     A ConfigError is usually raised alike on every rank, sometimes on one rank only (its own
-    disk, its own GPU). Each failing rank counts the message in the rendezvous store, so an
-    error every rank hit is printed once and one that only rank 3 hit is printed by rank 3,
-    without waiting on ranks that are busy elsewhere. Before the process group exists (no
-    store) errors come from the config, the same everywhere: rank 0 speaks. If the store does
-    not answer within `wait_s` (its host has gone), print rather than stay silent.
+    disk, its own GPU). Rank 0 always prints its own; the other ranks count the message in the
+    rendezvous store, and the first of them prints it only if rank 0 has not reported the same
+    message within `rank0_grace_s`. So an error every rank hit is printed once, by rank 0
+    (whichever rank got there first), and one that only rank 3 hit is printed by rank 3
+    within seconds. Before the process group exists (no store) errors come from the config,
+    the same everywhere: rank 0 speaks. If the store does not answer within `wait_s` (its
+    host has gone), print rather than stay silent.
     """
     rank = _current.rank if _current is not None else _env_int("RANK", 0)
     if _store is None:
         return rank == 0
     key = "mingpt_ddp/error/" + hashlib.sha256(f"{context}\0{message}".encode()).hexdigest()[:32]
+    rank0_key = key + "/rank0"
     answer: list[int] = []
 
     def count() -> None:
         try:
-            answer.append(_store.add(key, 1))
+            if rank == 0:
+                _store.set(rank0_key, "1")
+                answer.append(1)
+                return
+            if _store.add(key, 1) != 1:
+                answer.append(0)  # another rank speaks for this message
+                return
+            deadline = time.monotonic() + rank0_grace_s
+            while time.monotonic() < deadline:
+                if _store.check([rank0_key]):
+                    answer.append(0)  # rank 0 has it: it prints
+                    return
+                time.sleep(0.05)
+            answer.append(1)
         except Exception:  # store gone: fall back to printing
             pass
 
     worker = threading.Thread(target=count, daemon=True, name="error-report")
     worker.start()
-    worker.join(wait_s)
+    worker.join(wait_s + rank0_grace_s)
     return not answer or answer[0] == 1
 
 

@@ -57,6 +57,25 @@ def test_an_error_every_rank_hits_is_printed_once(tmp_path, small_corpus):
     text = output(proc)
     assert proc.returncode != 0
     assert text.count("error: data.block_size=5000 is larger than the validation split") == 1, text
+    assert "[rank 1] error" not in text, text  # rank 0 speaks for an error it hit too
+
+
+def test_rank_0_speaks_for_an_error_every_rank_hit_even_when_another_rank_counts_first(monkeypatch):
+    """The store decides who prints: rank 0 always prints its own error; another rank stays
+    quiet once rank 0 has reported the same message, and speaks after a grace period only if
+    rank 0 never does (an error of its own)."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(distributed, "_store", store)
+    monkeypatch.setattr(distributed, "_current", None)
+    monkeypatch.setenv("RANK", "1")
+    started = time.monotonic()
+    assert distributed.first_to_report("only mine", rank0_grace_s=0.3)  # rank 0 never reports it
+    assert time.monotonic() - started >= 0.3
+    assert not distributed.first_to_report("only mine", rank0_grace_s=0.3)  # printed already
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.first_to_report("everyone's")
+    monkeypatch.setenv("RANK", "1")
+    assert not distributed.first_to_report("everyone's", rank0_grace_s=0.3)
 
 
 # ---- finding 2: the collective timeout -----------------------------------------------------
