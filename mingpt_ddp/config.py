@@ -37,6 +37,13 @@ class Precision(str, Enum):
     auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU the faster of fp32 and bf16, timed
 
 
+class Strategy(str, Enum):
+    """How the model is spread over the ranks (parallel.py)."""
+
+    ddp = "ddp"  # a full replica per rank, gradients all-reduced
+    fsdp = "fsdp"  # FSDP2: parameters, gradients and optimizer state sharded over the ranks
+
+
 @dataclass
 class ModelConfig:
     n_layer: int = 6
@@ -84,6 +91,7 @@ class TrainerConfig:
     batch_size: int = 32
     grad_accum_steps: int = 1
     precision: Precision = Precision.auto
+    strategy: Strategy = Strategy.ddp
     grad_clip: float = 1.0
     eval_every: int = 250
     # Validation batches per rank in a periodic evaluation (the first ones of the split):

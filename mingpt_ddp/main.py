@@ -42,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from mingpt_ddp import cluster, config, distributed, loggers, profiling, sample, storage, token_cache
+from mingpt_ddp import cluster, config, distributed, loggers, parallel, profiling, sample, storage, token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -106,13 +106,16 @@ def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
     return result
 
 
-def load_agreed_snapshot(store: SnapshotStore, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
-    """The newest snapshot, checked to be the same one (step and payload checksum) on every
-    rank. A snapshot path that is not on storage all nodes share gives each node its own
-    view: one rank resuming at step N while another starts from scratch would train
-    diverging replicas silently, so that is an error naming who saw what."""
-    found = on_every_rank(store.load_latest, dist)
-    view = None if found is None else (found[0]["train_state"]["step"], store.loaded_sha256, found[1])
+def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
+    """The newest snapshot, checked to be the same one (step and payload checksum, or the
+    sharded snapshot's directory) on every rank. A snapshot path that is not on storage all
+    nodes share gives each node its own view: one rank resuming at step N while another
+    starts from scratch would train diverging replicas silently, so that is an error naming
+    who saw what. A sharded store gives the metadata; its shards are loaded later."""
+    sharded = not isinstance(store, SnapshotStore)
+    found = on_every_rank(store.latest_meta if sharded else store.load_latest, dist)
+    view = None if found is None else (found[0]["train_state"]["step"],
+                                       found[1] if sharded else store.loaded_sha256, found[1])
     views = distributed.all_gather_object(view)
     if len({v[:2] if v else None for v in views}) > 1:
         seen: dict[Any, list[int]] = {}
@@ -122,7 +125,8 @@ def load_agreed_snapshot(store: SnapshotStore, dist: DistEnv) -> Optional[tuple[
         for key, ranks in seen.items():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
             v = views[ranks[0]]
-            parts.append(f"{who}: " + (f"step {v[0]} from {v[2]} (sha256 {v[1][:12]})" if v else "no snapshot"))
+            checksum = f" (sha256 {v[1][:12]})" if v and v[1] != v[2] else ""
+            parts.append(f"{who}: " + (f"step {v[0]} from {v[2]}{checksum}" if v else "no snapshot"))
         raise ConfigError(
             f"ranks see different snapshots ({'; '.join(parts)}): trainer.snapshot_path (default: snapshot.pt "
             "in the run directory) must be one location on storage every node can read (a shared filesystem "
@@ -156,18 +160,45 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     config.validate(cfg)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
     storage.remember_secrets(storage.secret_option_values(snapshot_options))
-    store = SnapshotStore(cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt"), cfg.trainer.keep_last,
-                          snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
-    distributed.on_main_then_share(store.check_writable, dist)
+    path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
+    store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
+    if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
+        from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore
+
+        snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
+                                         retry_minutes=cfg.trainer.load_retry_minutes)
+    else:
+        snapshots = store
+    distributed.on_main_then_share(snapshots.check_writable, dist)
     lock = RunLock(store)  # one live run per snapshot location; rank 0 holds it
     distributed.on_main_then_share(lock.acquire, dist)
     try:
-        return _resume_or_start(cfg, dist, run_dir, store)
+        distributed.on_main_then_share(lambda: check_same_strategy(cfg, store, snapshot_options), dist)
+        return _resume_or_start(cfg, dist, run_dir, snapshots)
     finally:
         lock.release()
 
 
-def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: SnapshotStore) -> tuple[str, Optional[float], str]:
+def check_same_strategy(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> None:
+    """A run's snapshots are DDP files or FSDP shards; resuming one kind under the other
+    strategy is refused with the way out (the weights need not be thrown away: export)."""
+    from mingpt_ddp.sharded_snapshot import is_sharded
+
+    wanted = parallel.strategy_name(cfg.trainer)
+    sharded = is_sharded(store.url, options)
+    if wanted == "fsdp" and not sharded and store.candidates():
+        saved = "ddp"
+    elif wanted == "ddp" and sharded:
+        saved = "fsdp"
+    else:
+        return
+    raise ConfigError(
+        f"the snapshots at {store.url} were saved with trainer.strategy={saved}: resume them with "
+        f"trainer.strategy={saved}, or start a new run (new hydra.run.dir / trainer.snapshot_path)"
+    )
+
+
+def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store) -> tuple[str, Optional[float], str]:
     found = load_agreed_snapshot(store, dist)
 
     corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
@@ -208,11 +239,17 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: Snapsh
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
     outcome = "failed"
     try:
-        trainer = Trainer(
-            cfg.trainer, cfg.optimizer, model, corpus, dist, metrics,
-            BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None, metadata,
-        )
+        sharded = not isinstance(store, SnapshotStore)
+        if sharded:  # every rank saves its own shard
+            saver = parallel.ShardedSaver(store)
+        else:
+            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
+        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata)
         if found is not None:
+            if sharded:  # the shards of this world size, read in place (resharded if it changed)
+                shards = trainer.strategy.state_dicts(trainer.optimizer)
+                store.load(where, shards)
+                snapshot = {**snapshot, **shards}
             trainer.load_state_dict(snapshot)
             metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
         metrics.total_steps = trainer.total_steps
@@ -221,8 +258,9 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store: Snapsh
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
-        if val_loss is not None and dist.is_main:
-            metrics.note(sample.preview(model, vocab, run_dir))
+        whole = trainer.strategy.full_model() if val_loss is not None else None  # collective under FSDP
+        if whole is not None and dist.is_main:
+            metrics.note(sample.preview(whole, vocab, run_dir))
     finally:
         metrics.close(outcome)
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url

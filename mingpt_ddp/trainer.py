@@ -1,13 +1,11 @@
 """The training loop: one optimizer step, one evaluation, and when to save.
 
 How a snapshot reaches its storage is snapshot.py's business; what to train on is
-char_dataset.py's; this file only runs the loop under DDP.
+char_dataset.py's; how the model is spread over the ranks (DDP or FSDP) is parallel.py's;
+this file only runs the loop.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import hashlib
 import logging
 import math
 import random
@@ -17,9 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mingpt_ddp import distributed, precision
+from mingpt_ddp import distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
@@ -79,15 +76,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def parameter_fingerprint(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        t = p.detach().cpu().contiguous()
-        h.update(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size()))
-    return h.hexdigest()[:16]
-
-
 class Trainer:
     def __init__(
         self,
@@ -112,29 +100,14 @@ class Trainer:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.optimizer = model.configure_optimizer(
-            optim_cfg.lr, optim_cfg.weight_decay, tuple(optim_cfg.betas), self.device.type
-        )
-        self.scaler = self.precision.grad_scaler()
-        use_compile = cfg.compile if cfg.compile is not None else self.device.type == "cuda"
-        self.forward_model = torch.compile(self.model) if use_compile else self.model
-        # Inside DDP's forward, torch.compile splits the graph at DDP's bucket boundaries
-        # (DDPOptimizer), so the all-reduces still overlap the backward pass.
-        self.ddp_model = (
-            DDP(
-                self.forward_model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
-                bucket_cap_mb=cfg.ddp_bucket_cap_mb,
-                static_graph=cfg.ddp_static_graph,
-            )
-            if dist.is_distributed
-            else self.forward_model
-        )
+        self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
+        self.forward_model = self.strategy.forward_model
+        self.optimizer = self.strategy.make_optimizer(optim_cfg)
+        self.scaler = self.strategy.grad_scaler()
         self.corpus = corpus
         self.micro_batch = cfg.batch_size
         self.accum_steps = cfg.grad_accum_steps
-        self._check_static_graph()
+        self.strategy.check_accumulation(self.accum_steps, cfg.grad_accum_steps)
         self.sampler = ResumableDistributedSampler(
             WindowDataset(corpus.train_tokens, self.block_size), dist.world_size, dist.rank, cfg.seed
         )
@@ -153,19 +126,6 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
-
-    def _check_static_graph(self) -> None:
-        """DDP's static_graph and no_sync (gradient accumulation) do not mix: DDP's reducer
-        fails with an internal assert on the first accumulated step. Refused before training,
-        also when an elastic resume turns accumulation on by itself."""
-        if self.cfg.ddp_static_graph and self.dist.is_distributed and self.accum_steps > 1:
-            raise ConfigError(
-                f"trainer.ddp_static_graph=true does not work with gradient accumulation ({self.accum_steps} "
-                f"micro-batches per step on {self.dist.world_size} processes"
-                + ("" if self.accum_steps == self.cfg.grad_accum_steps else
-                   ", chosen to keep the snapshot's global batch on this world size")
-                + "): set trainer.ddp_static_graph=false"
-            )
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -199,8 +159,7 @@ class Trainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, as tensors and plain types (weights_only-loadable)."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self.strategy.state_dicts(self.optimizer),  # model, optimizer (this rank's shards under FSDP)
             "scaler": self.scaler.state_dict(),
             "train_state": asdict(self.state),
             "rng": distributed.all_gather_object(rng_state()),
@@ -210,8 +169,7 @@ class Trainer:
         }
 
     def load_state_dict(self, snapshot: dict[str, Any]) -> None:
-        self.model.load_state_dict(snapshot["model"])
-        self.optimizer.load_state_dict(snapshot["optimizer"])
+        self.strategy.load_state_dicts(self.optimizer, snapshot)
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
@@ -239,7 +197,7 @@ class Trainer:
                 )
         elif saved_world != self.dist.world_size or saved_global != self.global_batch:
             self._keep_global_batch(saved_global, saved_world)
-        self._check_static_graph()
+        self.strategy.check_accumulation(self.accum_steps, self.cfg.grad_accum_steps)
 
     def _keep_global_batch(self, global_batch: int, saved_world: int) -> None:
         """After an elastic change of world size, keep the global batch (and so the LR
@@ -268,7 +226,8 @@ class Trainer:
         )
 
     def save(self) -> None:
-        """Rank 0 copies state to CPU and hands it to the background writer."""
+        """State is copied to CPU and handed to the background writer (rank 0's; every
+        rank's under FSDP)."""
         if self._last_save_step == self.state.step:
             return
         state = self.state_dict()  # collective (RNG states): every rank takes part
@@ -302,17 +261,15 @@ class Trainer:
         total_loss = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
-            # Gradients are all-reduced once per optimizer step, on the last micro-batch.
-            sync = contextlib.nullcontext() if last or not self.dist.is_distributed else self.ddp_model.no_sync()
-            with sync:
+            with self.strategy.no_sync(last):  # gradients are reduced once per optimizer step
                 with self.precision.autocast():
-                    _, loss = self.ddp_model(x, y)
+                    _, loss = self.strategy.train_model(x, y)
                 loss = loss / len(micro_batches)
                 self.scaler.scale(loss).backward()
             total_loss += loss.detach()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.strategy.clip_grad_norm_(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -330,17 +287,21 @@ class Trainer:
     def evaluate(self, final: bool = False) -> float:
         """Mean validation loss over all ranks' windows, dropout off."""
         self.model.eval()
-        mine = torch.arange(self.dist.rank, self.eval_windows(final), self.dist.world_size)
+        windows = self.eval_windows(final)
+        mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        for chunk in mine.split(self.micro_batch):
-            x, y = to_device(self.val_windows.gather(chunk), self.device)
+        # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
+        # a rank with fewer windows runs its last pass on a window it does not count.
+        for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
+            chunk = mine[start:start + self.micro_batch]
+            counted = len(chunk)
+            x, y = to_device(self.val_windows.gather(chunk if counted else torch.zeros(1, dtype=torch.long)), self.device)
             with self.precision.autocast():
-                # The eager model: unwrapped, as ranks may run unequal batch counts; and not
-                # the compiled one, which eval mode, no_grad and a short last batch would
+                # Not the compiled model, which eval mode, no_grad and a short last batch would
                 # each make recompile (tens of seconds on a large model, every evaluation).
                 _, loss = self.model(x, y)
-            totals[0] += loss.double() * len(chunk)
-            totals[1] += len(chunk)
+            totals[0] += loss.double() * counted
+            totals[1] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
         val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
@@ -475,8 +436,8 @@ class Trainer:
         self.metrics.write(record)
 
     def _check_ranks_agree(self) -> None:
-        """DDP keeps replicas identical; prove it at the end instead of assuming it."""
-        prints = distributed.all_gather_object(parameter_fingerprint(self.model))
+        """DDP keeps replicas identical (FSDP the shards' gathered model): prove it at the end."""
+        prints = distributed.all_gather_object(self.strategy.fingerprint())
         if len(set(prints)) == 1:
             self.metrics.note(f"parameters identical on all {len(prints)} rank(s) (sha256 {prints[0]})")
             return
