@@ -2,7 +2,8 @@
 
     python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir>
 
-A snapshot starts with a header line and holds the optimizer and RNG states too, so plain
+An FSDP run's sharded snapshot is merged into the whole model on this process. A snapshot
+file starts with a header line and holds the optimizer and RNG states too, so plain
 ``torch.load`` cannot read it. The export directory holds only the model:
 
     weights.pt     the model's state_dict: tensors only, read with torch.load(weights_only=True)
@@ -28,7 +29,7 @@ import torch
 from mingpt_ddp import model as model_module
 from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.sample import snapshot_store_for
+from mingpt_ddp.sample import load_latest
 
 USAGE = "usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors]"
 FORMAT = "mingpt-ddp-export 1"
@@ -37,7 +38,7 @@ FORMAT = "mingpt-ddp-export 1"
 def export(source: str, out_dir: str, safetensors: bool = False) -> dict[str, Any]:
     """Write weights.pt, config.json and model.py (and model.safetensors) to `out_dir`;
     return what config.json says."""
-    found = snapshot_store_for(source).load_latest()
+    found = load_latest(source)
     if found is None:
         raise ConfigError(f"no snapshot at {source}: give a snapshot file or a run directory that has one")
     snapshot, where = found

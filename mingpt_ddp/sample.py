@@ -52,6 +52,20 @@ def snapshot_store_for(target: str) -> SnapshotStore:
     return SnapshotStore(target, retry_minutes=RETRY_MINUTES)
 
 
+def load_latest(target: str) -> Optional[tuple[dict, str]]:
+    """(snapshot, where) of the newest snapshot at `target`, on this process alone: a DDP
+    snapshot file, or an FSDP run's shards merged into the whole model (no process group).
+    The snapshot has the model's state dict and the metadata (vocab, model_config,
+    train_state, ...); None when there is none."""
+    from mingpt_ddp.sharded_snapshot import is_sharded, load_full_model_state
+
+    store = snapshot_store_for(target)
+    if is_sharded(store.url):
+        model_state, meta = load_full_model_state(store.url)
+        return {**meta, "model": model_state}, store.display(store.path) + ".dcp"
+    return store.load_latest()
+
+
 def check_options(opts: SampleConfig) -> None:
     """Refuse options that would crash deep in torch or silently sample something else."""
     if opts.max_new_tokens < 0:
@@ -66,7 +80,7 @@ def check_options(opts: SampleConfig) -> None:
 
 def generate_text(target: str, opts: SampleConfig) -> str:
     check_options(opts)
-    found = snapshot_store_for(target).load_latest()
+    found = load_latest(target)
     if found is None:
         raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
     snapshot, _ = found

@@ -1,0 +1,162 @@
+"""trainer.strategy=fsdp end to end: the real CLI under torchrun with 2 gloo workers, FSDP2
+against DDP, SIGKILL and resume, 2 -> 1 workers, snapshots on S3, sampling and export from
+an FSDP run, and the inputs refused with one clear message."""
+import json
+import os
+import signal
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from conftest import PYTHON, REPO, TINY, output, read_metrics, run_cli, s3_env
+from test_fault_tolerance import children, metrics_lines, start_torchrun, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def args(run_dir, corpus, *extra):
+    return [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", *extra]
+
+
+def must_pass(proc):
+    assert proc.returncode == 0, output(proc)
+    return output(proc)
+
+
+def full_model(path, **options):
+    """The newest FSDP snapshot's whole model and metadata, read on this process alone."""
+    from mingpt_ddp.sharded_snapshot import load_full_model_state
+
+    return load_full_model_state(str(path), options or None)
+
+
+def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, small_corpus):
+    """20 fp32 steps from the same seed, clipping active, 2 micro-batches per step: the same
+    losses as DDP. The snapshot's head is still the embedding; sample and export read the
+    sharded run directory on one process."""
+    same = ["trainer.max_steps=20", "trainer.grad_accum_steps=2", "trainer.grad_clip=0.05", "model.dropout=0.0"]
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    must_pass(run_cli(args(ddp, small_corpus, *same), nproc=2))
+    text = must_pass(run_cli(args(fsdp, small_corpus, *same, "trainer.strategy=fsdp"), nproc=2))
+    assert "parameters identical on all 2 rank(s)" in text and "a sample of what the model writes now" in text
+    losses = {name: [(r["step"], r["train_loss"]) for r in read_metrics(d) if "train_loss" in r]
+              for name, d in (("ddp", ddp), ("fsdp", fsdp))}
+    assert [s for s, _ in losses["fsdp"]] == [5, 10, 15, 20]
+    assert [s for s, _ in losses["ddp"]] == [s for s, _ in losses["fsdp"]]
+    for (_, a), (_, b) in zip(losses["ddp"], losses["fsdp"]):
+        assert abs(a - b) <= 1e-3 * abs(a), losses
+    assert losses["fsdp"][-1][1] < losses["fsdp"][0][1] - 0.2, losses  # it learned, so the steps were real
+
+    assert not (fsdp / "snapshot.pt").exists() and (fsdp / "snapshot.pt.dcp").is_dir()
+    state, meta = full_model(fsdp / "snapshot.pt")
+    assert meta["train_state"]["step"] == 20 and meta["world_size"] == 2
+    if "lm_head.weight" in state:
+        assert torch.equal(state["lm_head.weight"], state["wte.weight"])
+    from mingpt_ddp.snapshot import decode
+
+    ddp_state = decode((ddp / "snapshot.pt").read_bytes())["model"]
+    drift = max((ddp_state[k] - state[k]).abs().max().item() for k in state)
+    assert drift < 1e-3, drift
+
+    sampled = subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", str(fsdp), "prompt=ROMEO:", "max_new_tokens=50"],
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert sampled.returncode == 0, sampled.stderr
+    assert sampled.stdout.startswith("ROMEO:") and len(sampled.stdout) == len("ROMEO:") + 50 + 1
+    exported = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", str(fsdp), str(tmp_path / "export")],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert exported.returncode == 0, exported.stderr
+    weights = torch.load(tmp_path / "export" / "weights.pt", weights_only=True)
+    assert torch.equal(weights["wte.weight"], state["wte.weight"])
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["trained"]["step"] == 20
+
+
+def test_sigkilled_fsdp_run_resumes_bit_identical(tmp_path, small_corpus):
+    """Dropout on: the RNG of every rank comes back from the snapshot too."""
+    common = ["trainer.strategy=fsdp", "trainer.max_steps=40", "trainer.snapshot_every_steps=5",
+              "optimizer.decay_steps=100"]
+    reference = tmp_path / "reference"
+    must_pass(run_cli(args(reference, small_corpus, *common), nproc=2))
+
+    run_dir = tmp_path / "killed"
+    proc = start_torchrun(args(run_dir, small_corpus, *common), max_restarts=1, log_path=tmp_path / "killed.log")
+    try:
+        workers = wait_for(lambda: (w := children(proc.pid)) and len(w) == 2 and w, 120, "workers")
+        wait_for(lambda: metrics_lines(run_dir) >= 3, 120, "training progress")
+        os.kill(workers[-1], signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    log = (tmp_path / "killed.log").read_text()
+    assert "resumed from" in log, log
+    a, meta_a = full_model(reference / "snapshot.pt")
+    b, meta_b = full_model(run_dir / "snapshot.pt")
+    assert meta_a["train_state"] == meta_b["train_state"] and meta_b["train_state"]["step"] == 40
+    for name, tensor in a.items():
+        assert torch.equal(tensor, b[name]), f"{name} differs"
+
+
+def test_fsdp_resumes_on_one_worker_keeping_the_global_batch(tmp_path, small_corpus):
+    fixed = ["trainer.strategy=fsdp", "optimizer.decay_steps=60", "model.dropout=0.0"]
+    two, mixed = tmp_path / "two", tmp_path / "mixed"
+    must_pass(run_cli(args(two, small_corpus, "trainer.max_steps=20", *fixed), nproc=2))
+    must_pass(run_cli(args(mixed, small_corpus, "trainer.max_steps=10", *fixed), nproc=2))
+    text = must_pass(run_cli(args(mixed, small_corpus, "trainer.max_steps=20", *fixed), nproc=0))
+    assert "world size changed from 2 to 1: global batch 16 kept" in text and "8 x 1 -> 8 x 2" in text
+    a, meta_a = full_model(two / "snapshot.pt")
+    b, meta_b = full_model(mixed / "snapshot.pt")
+    assert meta_b["world_size"] == 1 and meta_b["global_batch"] == 16
+    assert meta_a["train_state"]["tokens_seen"] == meta_b["train_state"]["tokens_seen"]
+    drift = max((a[k] - b[k]).abs().max().item() for k in a)  # only the summation order differs
+    assert drift < 0.05, drift
+
+
+def test_fsdp_snapshots_on_s3_and_resume_from_there(tmp_path, seaweedfs, small_corpus):
+    bucket = f"run-{uuid.uuid4().hex[:12]}"
+    seaweedfs.make_bucket(bucket)
+    url = f"s3://{bucket}/runs/big/snapshot.pt"
+    env = s3_env(seaweedfs, PYTHONPATH=str(REPO))
+    common = ["trainer.strategy=fsdp", f"trainer.snapshot_path={url}", "trainer.snapshot_every_steps=5",
+              "optimizer.decay_steps=100"]
+    must_pass(run_cli(args(tmp_path / "run", small_corpus, "trainer.max_steps=10", *common), nproc=2, env=env))
+    text = must_pass(run_cli(args(tmp_path / "run", small_corpus, "trainer.max_steps=15", *common), nproc=2,
+                             env=env))
+    assert f"resumed from s3://{bucket}/runs/big/snapshot.pt.dcp/" in text and "step 10" in text
+    keys = [o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
+    assert any(k.startswith("runs/big/snapshot.pt.dcp/") for k in keys), keys
+    sampled = subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", url, "max_new_tokens=20"], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert sampled.returncode == 0, sampled.stderr
+
+
+def expect_error(proc, pattern, code=2):
+    text = output(proc)
+    assert proc.returncode == code, text
+    assert pattern in text, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
+    base = args(tmp_path / "bad", small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")
+    text = expect_error(run_cli([*base, "trainer.compile=true"], nproc=2, timeout=120),
+                        "trainer.compile=true does not work with trainer.strategy=fsdp")
+    assert text.count("error:") == 1, text
+    text = expect_error(run_cli([*base, "model.n_embd=1", "model.n_head=1"], nproc=2, timeout=120),
+                        "the model is too small to shard over 2 processes")
+    assert text.count("error:") == 1, text
+    expect_error(run_cli([*base, "trainer.strategy=zero3"], timeout=120), "Invalid value 'zero3'", code=1)
+
+    # A run's snapshots are resumed by the strategy that saved them; the other says how.
+    ddp_run = tmp_path / "ddp"
+    must_pass(run_cli(args(ddp_run, small_corpus, "trainer.max_steps=2")))
+    before = (ddp_run / "snapshot.pt").read_bytes()
+    expect_error(run_cli(args(ddp_run, small_corpus, "trainer.max_steps=4", "trainer.strategy=fsdp")),
+                 "were saved with trainer.strategy=ddp: resume them with trainer.strategy=ddp")
+    assert (ddp_run / "snapshot.pt").read_bytes() == before and not (ddp_run / "snapshot.pt.dcp").exists()
+    fsdp_run = tmp_path / "fsdp"
+    must_pass(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")))
+    expect_error(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=4")),
+                 "were saved with trainer.strategy=fsdp: resume them with trainer.strategy=fsdp")
