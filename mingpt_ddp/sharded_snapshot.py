@@ -50,6 +50,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
@@ -385,8 +386,11 @@ class ShardedSnapshotStore:
         into `sharded` (this world size's sharded state dicts; DCP reshards), after checking
         every file's checksum. Raises CorruptShardedSnapshot (on every rank) if one is off."""
         self.verify(where, process_group)
-        dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
-                 process_group=process_group)
+        try:
+            dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
+                     process_group=process_group)
+        except (Exception, CheckpointException) as exc:  # checksums matched: another model's, or crafted
+            raise ConfigError(_unloadable(where, exc)) from None
 
     def load_latest(self, sharded: dict[str, Any], process_group=None) -> Optional[tuple[dict[str, Any], str]]:
         """Collective: load the newest snapshot that passes every check into `sharded`;
@@ -474,8 +478,8 @@ class ShardedSnapshotStore:
         # 2. every rank writes its shards; DCP raises on every rank if any rank failed.
         try:
             dcp.save(staged, storage_writer=self._writer(directory), process_group=group)
-        except Exception as exc:
-            return f"writing sharded snapshot {where} failed: {storage.describe(exc)}"
+        except (Exception, CheckpointException) as exc:  # (a BaseException; raised on every rank)
+            return f"writing sharded snapshot {where} failed: {_why(exc)}"
         # 3. every rank hashes its own files; rank 0 commits once it has them all.
         hashed: dict[str, Any] = {}
         try:
@@ -598,6 +602,20 @@ class ShardedSnapshotStore:
                 self._remove(directory)
 
 
+def _why(exc: BaseException) -> str:
+    """One line: for DCP's CheckpointException (a whole traceback per rank), the first rank's error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = sorted(exc.failures.items(), key=lambda item: item[0])[0]
+        return f"rank {rank}: {storage.describe(inner)}"
+    return storage.describe(exc)
+
+
+def _unloadable(where: str, exc: BaseException) -> str:
+    return (f"cannot load sharded snapshot {where} ({_why(exc)}): it was saved by another model or "
+            "optimizer configuration, or is not a mingpt-ddp snapshot. Resume with the settings it was saved "
+            "with, or set trainer.snapshot_path elsewhere")
+
+
 # ---- one process, no process group -----------------------------------------------------------
 def load_full_model_state(path: str, storage_options: Optional[Mapping[str, Any]] = None
                           ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -614,13 +632,17 @@ def load_full_model_state(path: str, storage_options: Optional[Mapping[str, Any]
                 store._check_checksums(directory, sorted(marker["files"]), marker)
                 meta = store._read_meta(directory, marker)
                 state: dict[str, Any] = {}
-                # DCP's own no-process-group load (as its dcp_to_torch_save does), model entries only.
-                _load_state_dict(state, storage_reader=store._reader(directory),
-                                 planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-                return dict(state["model"]), meta
             except CorruptShardedSnapshot as exc:
                 log.warning("skipping unusable sharded snapshot %s", exc)
                 problems.append(str(exc))
+                continue
+            try:
+                # DCP's own no-process-group load (as its dcp_to_torch_save does), model entries only.
+                _load_state_dict(state, storage_reader=store._reader(directory),
+                                 planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+            except (Exception, CheckpointException) as exc:
+                raise ConfigError(_unloadable(store.display(directory), exc)) from None
+            return dict(state["model"]), meta
         store._no_usable(problems)
         raise ConfigError(f"no sharded snapshot at {store.display(store.root)}: train with trainer.strategy=fsdp "
                           "first, or point trainer.snapshot_path at a run that did")

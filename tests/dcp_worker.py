@@ -8,7 +8,8 @@ or loads from, a ShardedSnapshotStore.
         a differently initialised model loads the newest valid snapshot; rank 0 writes
         <out_dir>/loaded.pt (full states, the meta and where it came from).
 
-Storage options come as JSON in DCP_TEST_STORAGE_OPTIONS; DCP_TEST_KEEP_LAST sets keep_last.
+Storage options come as JSON in DCP_TEST_STORAGE_OPTIONS; DCP_TEST_KEEP_LAST sets keep_last;
+DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save.
 """
 import copy
 import json
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import fully_shard
 
 from mingpt_ddp.model import GPT, GPTConfig
-from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore
+from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, ShardedSnapshotStore
 
 CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
@@ -54,6 +55,8 @@ def main() -> None:
     action, path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    print(f"rank {rank} pid {os.getpid()}", flush=True)
+    delay_step, _, delay = os.environ.get("DCP_TEST_DELAY_AT_STEP", "-1:0").partition(":")
     options = json.loads(os.environ.get("DCP_TEST_STORAGE_OPTIONS", "{}"))
     store = ShardedSnapshotStore(path, keep_last=int(os.environ.get("DCP_TEST_KEEP_LAST", "2")),
                                  storage_options=options)
@@ -67,6 +70,8 @@ def main() -> None:
             msd, osd = get_state_dict(model, optimizer)
             meta = {"train_state": {"step": step}, "world_size": dist.get_world_size(),
                     "rng": [torch.get_rng_state()] * dist.get_world_size()}
+            if step == int(delay_step):
+                os.environ[COMMIT_DELAY_ENV] = delay
             handle = store.save_async(step, {"model": msd, "optimizer": osd}, meta)
             # Training goes on while the save is written: the snapshot must hold the staged
             # state, not the live one, and the loop's collectives must not mix with the save's.
