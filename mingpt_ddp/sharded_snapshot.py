@@ -1,0 +1,655 @@
+"""Sharded snapshots of FSDP runs through torch.distributed.checkpoint (DCP).
+
+Layout next to ``trainer.snapshot_path`` (``.../snapshot.pt``)::
+
+    snapshot.pt.dcp/step000000420/
+        __0_0.distcp, __1_0.distcp, ...   each rank's shards (DCP)
+        .metadata                         DCP's index of the shards (written by rank 0)
+        meta.pt                           train state, RNG of every rank, vocab, config (rank 0)
+        COMMITTED.json                    the commit marker, written LAST by rank 0
+
+A directory is a snapshot only once its marker exists: rank 0 writes the marker after
+every rank has written and hashed its files (DCP's finish step on the coordinator runs
+after all ranks' writes; the hashes are gathered afterwards), so a crash mid-save leaves
+a directory without a marker, which is never loaded and is removed by a later save.
+The marker lists the size and sha256 of every file of the directory; a directory whose
+files do not match is skipped with a warning (the previous committed one is used) and,
+where a rename is cheap (not on object stores), moved aside as ``step....corrupt``.
+On object stores the marker is one PUT, the last object written.
+
+"Newest" is the highest step among the directory names, re-listed from the store each
+time (fsspec's listing cache dropped). ``keep_last`` committed snapshots are kept, never
+removing the one just committed.
+
+Loading is safe: meta.pt with ``torch.load(weights_only=True)``, shard tensors by DCP
+(weights_only), and DCP's ``.metadata`` and non-tensor entries (optimizer param groups)
+through restricted unpicklers instead of DCP's plain ``pickle.load`` / ``torch.load``.
+
+Saving runs in a background thread with its own gloo process group (created on the first
+save, by every rank), so its collectives never interleave with the training loop's, and
+so it works when the training group is NCCL. Training waits only for the copy of the
+state to host memory; one save is in flight at a time.
+
+Test hook: ``MINGPT_DDP_TEST_DCP_COMMIT_DELAY=<seconds>`` makes rank 0 sleep after all
+shards are written and before the marker (tests kill it there).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import threading
+import time
+import uuid
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from mingpt_ddp import storage
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.snapshot import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED.json"
+META = "meta.pt"
+MARKER_FORMAT = 1
+COMMIT_DELAY_ENV = "MINGPT_DDP_TEST_DCP_COMMIT_DELAY"
+_STEP_DIR = re.compile(r"^step(\d+)$")
+_HASH_CHUNK = 8 << 20
+
+
+class CorruptShardedSnapshot(Exception):
+    """A committed snapshot directory whose files fail the marker's sizes or checksums."""
+
+
+# ---- safe unpickling of what DCP pickles --------------------------------------------------
+_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.metadata",)
+_SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata holds dataclasses, torch.Size, dtypes and paths: nothing else is let in,
+    so a crafted file cannot name a function to call."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) in _SAFE_GLOBALS or (module.startswith(_SAFE_MODULE_PREFIXES) and not name.startswith("__")):
+            found = super().find_class(module, name)
+            if isinstance(found, type) or (module, name) in _SAFE_GLOBALS:
+                return found
+        raise pickle.UnpicklingError(f"refused to load {module}.{name} from a snapshot's DCP metadata")
+
+
+class _SafeReader(FsspecReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """Non-tensor entries (optimizer param groups) are read with weights_only=True."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class _SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    pass
+
+
+class _SafeEmptyStateDictLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+def _sha256_of(fs, path: str) -> tuple[int, str]:
+    sha, size = hashlib.sha256(), 0
+    with fs.open(path, "rb") as f:
+        while True:
+            chunk = f.read(_HASH_CHUNK)
+            if not chunk:
+                break
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def _group_rank(group) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _agree(group, value: Any) -> list[Any]:
+    """Every rank's `value`, on every rank (the group's collective; a no-op alone)."""
+    if not dist.is_initialized() or _group_size(group) == 1:
+        return [value]
+    values: list[Any] = [None] * _group_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def _from_rank0(group, value: Any) -> Any:
+    if not dist.is_initialized() or _group_size(group) == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return box[0]
+
+
+class SaveHandle:
+    """One background save. Every rank's wait() returns the same answer: rank 0 tells the
+    others whether the snapshot was committed."""
+
+    def __init__(self, step: int, directory: str):
+        self.step = step
+        self.directory = directory
+        self._error: Optional[str] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def _run(self, target) -> None:
+        def body() -> None:
+            try:
+                self._error = target()
+            except BaseException as exc:  # never lost silently: wait() reports it
+                log.exception("sharded save of step %d failed", self.step)
+                self._error = f"saving sharded snapshot {self.directory} failed: {storage.describe(exc)}"
+
+        self._thread = threading.Thread(target=body, daemon=True, name=f"dcp-save-{self.step}")
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self) -> Optional[str]:
+        """Block until the save is committed (None) or has failed (the error text)."""
+        if self._thread is not None:
+            self._thread.join()
+        return self._error
+
+
+class ShardedSnapshotStore:
+    """Sharded (DCP) snapshots of one run: ``<snapshot_path>.dcp/step000000420/`` directories.
+
+    `path` is the run's ``trainer.snapshot_path`` (a local path or any fsspec URL);
+    `storage_options` go to fsspec (and to DCP's fsspec reader and writer).
+    """
+
+    def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
+                 retry_minutes: float = 2.0):
+        self.url = path
+        self.storage_options = dict(storage_options or {})
+        self.keep_last = max(1, keep_last)
+        self._files = SnapshotStore(path, keep_last, storage_options, retry_minutes)  # check_writable, hints
+        self.fs, path_in_fs = self._files.fs, self._files.path
+        self.is_local, self.is_object_store = self._files.is_local, self._files.is_object_store
+        self.retry_minutes = self._files.retry_minutes
+        self.root = path_in_fs + ".dcp"
+        self._group = None
+        self._stager = None
+        self._inflight: Optional[SaveHandle] = None
+
+    # ---- names --------------------------------------------------------------------------
+    def step_dir(self, step: int) -> str:
+        return f"{self.root}/step{step:09d}"
+
+    def display(self, path: str) -> str:
+        return self._files.display(path)
+
+    def _url(self, path: str) -> str:
+        """What DCP's fsspec reader/writer is given: the path with its protocol."""
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def _in_fs(self, where: str) -> str:
+        return where if self.is_local else self.fs._strip_protocol(where)
+
+    def check_writable(self) -> None:
+        """The snapshot directory is writable (the .dcp tree lives in it), else a ConfigError."""
+        self._files.check_writable()
+
+    # ---- reading ------------------------------------------------------------------------
+    def _step_dirs(self) -> list[tuple[int, str]]:
+        """(step, directory) of every step directory, committed or not, newest first."""
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        found = []
+        for entry in entries:
+            if entry.get("type") != "directory":
+                continue
+            m = _STEP_DIR.match(entry["name"].rstrip("/").rsplit("/", 1)[-1])
+            if m:
+                found.append((int(m[1]), entry["name"].rstrip("/")))
+        return sorted(found, reverse=True)
+
+    def _is_committed(self, directory: str) -> bool:
+        self.fs.invalidate_cache(directory)
+        return self.fs.exists(f"{directory}/{MARKER}")
+
+    def candidates(self) -> list[str]:
+        """Committed snapshot directories (display form), newest step first."""
+        return self._retrying(lambda: [self.display(d) for _, d in self._step_dirs() if self._is_committed(d)],
+                              "listing sharded snapshots")
+
+    def _retrying(self, fn, what: str):
+        try:
+            return storage.retry_transient(fn, f"{what} at {self.url}", self.retry_minutes)
+        except (ConfigError, CorruptShardedSnapshot):
+            raise
+        except Exception as exc:
+            raise ConfigError(f"cannot read sharded snapshots at {self.url} ({storage.describe(exc)})"
+                              f"{self._files._hint(exc, 'read')}") from None
+
+    def read_marker(self, directory: str) -> dict[str, Any]:
+        """The commit marker of `directory` (display or in-store form), checked for shape."""
+        directory = self._in_fs(directory)
+        where = self.display(directory)
+        try:
+            marker = json.loads(self.fs.cat_file(f"{directory}/{MARKER}"))
+        except FileNotFoundError:
+            raise CorruptShardedSnapshot(f"{where}: no commit marker (an unfinished save)") from None
+        except ValueError as exc:
+            raise CorruptShardedSnapshot(f"{where}: unreadable commit marker ({exc})") from None
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if (marker.get("format") != MARKER_FORMAT or not isinstance(files, dict) or META not in files
+                or ".metadata" not in files
+                or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+                           for v in files.values())):
+            raise CorruptShardedSnapshot(f"{where}: malformed commit marker")
+        m = _STEP_DIR.match(directory.rsplit("/", 1)[-1])
+        if not m or int(m[1]) != marker.get("step"):
+            raise CorruptShardedSnapshot(f"{where}: the commit marker is for another step ({marker.get('step')})")
+        return marker
+
+    def _check_sizes(self, directory: str, marker: dict[str, Any]) -> None:
+        """Cheap check: every file the marker lists exists with its size (one listing)."""
+        where = self.display(directory)
+        self.fs.invalidate_cache(directory)
+        sizes = {e["name"].rsplit("/", 1)[-1]: e.get("size") for e in self.fs.ls(directory, detail=True)}
+        for name, info in marker["files"].items():
+            if name not in sizes:
+                raise CorruptShardedSnapshot(f"{where}: {name} is missing")
+            if sizes[name] != info["size"]:
+                raise CorruptShardedSnapshot(f"{where}: {name} has {sizes[name]} bytes, the marker says {info['size']}")
+
+    def _check_checksums(self, directory: str, names: list[str], marker: dict[str, Any]) -> None:
+        where = self.display(directory)
+        for name in names:
+            try:
+                size, digest = _sha256_of(self.fs, f"{directory}/{name}")
+            except FileNotFoundError:
+                raise CorruptShardedSnapshot(f"{where}: {name} is missing") from None
+            if size != marker["files"][name]["size"]:
+                raise CorruptShardedSnapshot(f"{where}: {name} is truncated ({size} of "
+                                             f"{marker['files'][name]['size']} bytes)")
+            if digest != marker["files"][name]["sha256"]:
+                raise CorruptShardedSnapshot(f"{where}: checksum mismatch in {name} (modified or damaged)")
+
+    def _read_meta(self, directory: str, marker: dict[str, Any]) -> dict[str, Any]:
+        where = self.display(directory)
+        blob = self.fs.cat_file(f"{directory}/{META}")
+        if len(blob) != marker["files"][META]["size"] or hashlib.sha256(blob).hexdigest() != marker["files"][META]["sha256"]:
+            raise CorruptShardedSnapshot(f"{where}: checksum mismatch in {META} (modified or damaged)")
+        try:
+            return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CorruptShardedSnapshot(f"{where}: refused to load {META} ({type(exc).__name__}: "
+                                         f"{str(exc)[:300]})") from None
+
+    def latest_meta(self) -> Optional[tuple[dict[str, Any], str]]:
+        """(meta, directory) of the newest committed snapshot whose marker, file sizes and
+        meta.pt checksum are right; None when there is none. The shards' checksums are
+        verified by load(). Every committed snapshot damaged: a ConfigError."""
+        def find() -> Optional[tuple[dict[str, Any], str]]:
+            problems = []
+            for _, directory in self._committed():
+                try:
+                    marker = self.read_marker(directory)
+                    self._check_sizes(directory, marker)
+                    return self._read_meta(directory, marker), self.display(directory)
+                except CorruptShardedSnapshot as exc:
+                    log.warning("skipping unusable sharded snapshot %s", exc)
+                    problems.append(str(exc))
+            self._no_usable(problems)
+            return None
+
+        return self._retrying(find, "reading sharded snapshots")
+
+    def _committed(self) -> list[tuple[int, str]]:
+        return [(s, d) for s, d in self._step_dirs() if self._is_committed(d)]
+
+    def _no_usable(self, problems: list[str]) -> None:
+        if problems:
+            raise ConfigError("no usable sharded snapshot: " + "; ".join(problems)
+                              + ". Move these directories away to start from scratch, or set trainer.snapshot_path"
+                              " elsewhere")
+
+    def verify(self, where: str, process_group=None) -> None:
+        """Collective: every file of `where` against the marker's sizes and sha256, the files
+        split over the ranks (each read once in all). Raises CorruptShardedSnapshot on every
+        rank if any rank found a problem."""
+        directory = self._in_fs(where)
+        rank, size = _group_rank(process_group), _group_size(process_group)
+        problem = None
+        try:
+            marker = self.read_marker(directory)
+            names = sorted(marker["files"])
+            self._check_checksums(directory, names[rank::size], marker)
+        except CorruptShardedSnapshot as exc:
+            problem = str(exc)
+        except Exception as exc:
+            problem = f"{self.display(directory)}: cannot be read ({storage.describe(exc)})"
+        problems = [p for p in _agree(process_group, problem) if p]
+        if problems:
+            raise CorruptShardedSnapshot(problems[0])
+
+    def load(self, where: str, sharded: dict[str, Any], process_group=None) -> None:
+        """Collective: DCP-load the snapshot at `where` (from latest_meta/candidates) in place
+        into `sharded` (this world size's sharded state dicts; DCP reshards), after checking
+        every file's checksum. Raises CorruptShardedSnapshot (on every rank) if one is off."""
+        self.verify(where, process_group)
+        try:
+            dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
+                     process_group=process_group)
+        except (Exception, CheckpointException) as exc:  # checksums matched: another model's, or crafted
+            raise ConfigError(_unloadable(where, exc)) from None
+
+    def load_latest(self, sharded: dict[str, Any], process_group=None) -> Optional[tuple[dict[str, Any], str]]:
+        """Collective: load the newest snapshot that passes every check into `sharded`;
+        (meta, where), or None when there is none. Damaged ones are skipped with a warning
+        (and moved aside by rank 0 where renaming is cheap); all damaged: a ConfigError."""
+        rank = _group_rank(process_group)
+        listed = _from_rank0(process_group, [d for _, d in self._committed()] if rank == 0 else None)
+        problems = []
+        for directory in listed:
+            where = self.display(directory)
+            try:
+                meta = self._read_meta(directory, self.read_marker(directory))
+                self.load(where, sharded, process_group)
+                return meta, where
+            except CorruptShardedSnapshot as exc:
+                log.warning("skipping unusable sharded snapshot %s", exc)
+                problems.append(str(exc))
+                if rank == 0:
+                    self._set_aside(directory, str(exc))
+        self._no_usable(problems)
+        return None
+
+    def _reader(self, directory: str) -> _SafeReader:
+        return _SafeReader(self._url(directory), **({} if self.is_local else self.storage_options))
+
+    # ---- writing --------------------------------------------------------------------------
+    def _save_group(self):
+        """A gloo group of its own for the background thread (collective on first use)."""
+        if self._group is None and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _stage(self, sharded: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        return self._stager.stage(sharded)
+
+    def save_async(self, step: int, sharded: dict[str, Any], meta: dict[str, Any], process_group=None) -> SaveHandle:
+        """Collective: stage `sharded` to host memory (what training waits for), then write it
+        and commit in the background. `meta` is written by rank 0. Waits for the previous
+        save first. `process_group`: a group with a CPU backend that nothing else uses
+        meanwhile (default: one gloo group this store creates)."""
+        if self._inflight is not None:
+            self._inflight.wait()
+        group = process_group if process_group is not None else self._save_group()
+        rank = _group_rank(group)
+        meta_blob = None
+        if rank == 0:
+            buf = io.BytesIO()
+            torch.save(meta, buf)
+            meta_blob = buf.getvalue()
+        staged = self._stage(sharded)
+        directory = self.step_dir(step)
+        handle = SaveHandle(step, self.display(directory))
+        handle._run(lambda: self._save(step, directory, staged, meta_blob, group))
+        self._inflight = handle
+        return handle
+
+    def save(self, step: int, sharded: dict[str, Any], meta: dict[str, Any], process_group=None) -> Optional[str]:
+        """save_async and wait: None once committed, else the error."""
+        return self.save_async(step, sharded, meta, process_group).wait()
+
+    def wait(self) -> Optional[str]:
+        """Wait for the save in flight, if any; its error or None."""
+        return self._inflight.wait() if self._inflight is not None else None
+
+    def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group) -> Optional[str]:
+        rank = _group_rank(group)
+        where = self.display(directory)
+        # 1. rank 0 clears what an earlier attempt left at this step and writes meta.pt.
+        problem = None
+        if rank == 0:
+            try:
+                self._clear_for_save(directory)
+                self._write_whole(f"{directory}/{META}", meta_blob)
+            except Exception as exc:
+                problem = f"preparing {where} failed: {storage.describe(exc)}"
+        problem = _from_rank0(group, problem)
+        if problem:
+            return problem
+        # 2. every rank writes its shards; DCP raises on every rank if any rank failed.
+        try:
+            dcp.save(staged, storage_writer=self._writer(directory), process_group=group)
+        except (Exception, CheckpointException) as exc:  # (a BaseException; raised on every rank)
+            return f"writing sharded snapshot {where} failed: {_why(exc)}"
+        # 3. every rank hashes its own files; rank 0 commits once it has them all.
+        hashed: dict[str, Any] = {}
+        try:
+            names = self._files_of_rank(directory, rank)
+            if rank == 0:
+                names += [".metadata", META]
+            for name in names:
+                size, digest = _sha256_of(self.fs, f"{directory}/{name}")
+                hashed[name] = {"size": size, "sha256": digest}
+        except Exception as exc:
+            hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}"}
+        everyone = _agree(group, hashed)
+        result = None
+        if rank == 0:
+            result = self._commit(step, directory, everyone, _group_size(group))
+        return _from_rank0(group, result)
+
+    def _commit(self, step: int, directory: str, everyone: list[dict[str, Any]], world_size: int) -> Optional[str]:
+        where = self.display(directory)
+        errors = [h["error"] for h in everyone if "error" in h]
+        if errors:
+            return f"sharded snapshot {where} not committed: " + "; ".join(errors)
+        files: dict[str, Any] = {}
+        for h in everyone:
+            files.update(h)
+        delay = float(os.environ.get(COMMIT_DELAY_ENV, "0") or 0)
+        if delay > 0:
+            log.warning("%s=%g: waiting before committing %s (a test hook)", COMMIT_DELAY_ENV, delay, where)
+            time.sleep(delay)
+        marker = {"format": MARKER_FORMAT, "step": step, "world_size": world_size, "files": files}
+        try:
+            self._write_whole(f"{directory}/{MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())
+        except Exception as exc:
+            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}"
+        log.info("saved sharded snapshot %s (step %d)", where, step)
+        try:
+            self._apply_retention(step)
+        except Exception as exc:  # the snapshot is committed; the next save retries the cleanup
+            log.warning("removing old sharded snapshots at %s failed (%s); will retry at the next save",
+                        self.url, storage.describe(exc))
+        return None
+
+    def _writer(self, directory: str) -> FsspecWriter:
+        # Object stores: a completed PUT is durable; fsync would fall back to a local os.sync().
+        return FsspecWriter(self._url(directory), sync_files=not self.is_object_store,
+                            **({} if self.is_local else self.storage_options))
+
+    def _files_of_rank(self, directory: str, rank: int) -> list[str]:
+        pattern = re.compile(rf"^__{rank}_\d+\.distcp$")
+        self.fs.invalidate_cache(directory)
+        return sorted(n for n in (p.rsplit("/", 1)[-1] for p in self.fs.ls(directory, detail=False))
+                      if pattern.match(n))
+
+    def _write_whole(self, path: str, blob: bytes) -> None:
+        """`path` appears whole or not at all (atomic rename locally, one PUT on object stores)."""
+        if self.is_local:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            storage.write_local_atomically(path, lambda f: f.write(blob))
+        elif self.is_object_store:
+            self.fs.pipe_file(path, blob)
+        else:
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+            self.fs.pipe_file(tmp, blob)
+            self.fs.mv(tmp, path)
+
+    def _clear_for_save(self, directory: str) -> None:
+        """Remove what is at this step's directory: leftovers of an unfinished save, or an
+        earlier snapshot of the same step (unpublished first: its marker goes before its files)."""
+        self.fs.invalidate_cache(self.root)
+        if not self.fs.exists(directory):
+            return
+        if self._is_committed(directory):
+            log.warning("replacing sharded snapshot %s of the same step", self.display(directory))
+        self._remove(directory)
+
+    def _remove(self, directory: str) -> None:
+        marker = f"{directory}/{MARKER}"
+        if self.fs.exists(marker):
+            self.fs.rm(marker)  # first: a half-removed directory is never taken for a snapshot
+        self.fs.rm(directory, recursive=True)
+        self.fs.invalidate_cache(self.root)
+
+    def _set_aside(self, directory: str, why: str) -> None:
+        """Move a damaged snapshot out of the way where a rename is cheap; on object stores
+        (rename = copy) it stays and is skipped each time."""
+        if self.is_object_store:
+            return
+        try:
+            self.fs.mv(directory, f"{directory}.corrupt-{uuid.uuid4().hex[:6]}", recursive=True)
+            log.warning("moved damaged sharded snapshot aside to %s.corrupt-* (%s)", self.display(directory), why)
+        except Exception as exc:
+            log.warning("could not move damaged %s aside (%s)", self.display(directory), storage.describe(exc))
+        self.fs.invalidate_cache(self.root)
+
+    def _apply_retention(self, step: int) -> None:
+        """Keep the `keep_last` highest committed steps and always `step`. A committed
+        snapshot above `step` (the run resumed from an older one, so it may be damaged) is
+        checked and, if damaged, set aside rather than taking a slot. Unfinished directories
+        below `step` are leftovers of crashed saves and are removed."""
+        kept_valid = []
+        for item_step, directory in self._step_dirs():
+            if item_step == step:
+                kept_valid.append((item_step, directory))
+                continue
+            if not self._is_committed(directory):
+                if item_step < step:
+                    self._remove(directory)
+                continue
+            if item_step > step:
+                try:
+                    marker = self.read_marker(directory)
+                    self._check_sizes(directory, marker)
+                except CorruptShardedSnapshot as exc:
+                    self._set_aside(directory, str(exc))
+                    continue
+            kept_valid.append((item_step, directory))
+        keep = {d for _, d in kept_valid[: self.keep_last]} | {self.step_dir(step)}
+        for _, directory in kept_valid:
+            if directory not in keep:
+                self._remove(directory)
+
+
+def _why(exc: BaseException) -> str:
+    """One line: for DCP's CheckpointException (a whole traceback per rank), the first rank's error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _) = sorted(exc.failures.items(), key=lambda item: item[0])[0]
+        return f"rank {rank}: {storage.describe(inner)}"
+    return storage.describe(exc)
+
+
+def _unloadable(where: str, exc: BaseException) -> str:
+    return (f"cannot load sharded snapshot {where} ({_why(exc)}): it was saved by another model or "
+            "optimizer configuration, or is not a mingpt-ddp snapshot. Resume with the settings it was saved "
+            "with, or set trainer.snapshot_path elsewhere")
+
+
+# ---- one process, no process group -----------------------------------------------------------
+def load_full_model_state(path: str, storage_options: Optional[Mapping[str, Any]] = None
+                          ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(full model state_dict of plain tensors, meta) from the newest valid committed snapshot
+    of the run whose ``trainer.snapshot_path`` was `path`: one process, no process group
+    (sampling, export). Every file is checksummed first; damaged snapshots are skipped."""
+    store = ShardedSnapshotStore(path, storage_options=storage_options)
+
+    def find() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        problems = []
+        for _, directory in store._committed():
+            try:
+                marker = store.read_marker(directory)
+                store._check_checksums(directory, sorted(marker["files"]), marker)
+                meta = store._read_meta(directory, marker)
+                state: dict[str, Any] = {}
+            except CorruptShardedSnapshot as exc:
+                log.warning("skipping unusable sharded snapshot %s", exc)
+                problems.append(str(exc))
+                continue
+            try:
+                # DCP's own no-process-group load (as its dcp_to_torch_save does), model entries only.
+                _load_state_dict(state, storage_reader=store._reader(directory),
+                                 planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+            except (Exception, CheckpointException) as exc:
+                raise ConfigError(_unloadable(store.display(directory), exc)) from None
+            return dict(state["model"]), meta
+        store._no_usable(problems)
+        raise ConfigError(f"no sharded snapshot at {store.display(store.root)}: train with trainer.strategy=fsdp "
+                          "first, or point trainer.snapshot_path at a run that did")
+
+    return store._retrying(find, "reading sharded snapshots")
+
+
+def is_sharded(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
+    """Does ``<path>.dcp/`` hold committed snapshots?"""
+    return bool(ShardedSnapshotStore(path, storage_options=storage_options).candidates())
