@@ -26,7 +26,6 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import distributed
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -283,8 +282,7 @@ class ShardedSaver:
         return self._error
 
     def wait(self) -> Optional[str]:
-        """Block until the save in flight is committed; any rank's error (collective)."""
+        """Block until the save in flight is committed; the error, the same on every rank."""
         self._finish_previous()
-        errors = [e for e in distributed.all_gather_object(self._error) if e]
-        return errors[0] if errors else None
+        return self._error
 
