@@ -27,7 +27,10 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             what trainer.precision=auto decides for this model
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
-measures the loop a real run executes: data, autocast, DDP, clipping, optimizer, logging.
+measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
+clipping, optimizer, logging. It also reports the bytes of parameters, gradients and
+optimizer state read off the live tensors: each rank's own (its shards under FSDP) and the
+whole model's (what every DDP rank holds).
 Epoch-end evaluations that fall between timed steps are left out of the timing.
 MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
 processes / (matmul peak for the precision in use x processes), reported twice: against
@@ -342,6 +345,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         noise.append(CpuNoise(dist))
         last[0] = time.perf_counter()
     trainer.fit()
+    state_bytes = measured_state_bytes(trainer)
     elapsed = sum(step_s[-steps:])
     slowest = all_ranks_max(elapsed, device)
     tokens = steps * trainer.global_batch * trainer.block_size
@@ -370,10 +374,32 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "datasheet_peak_flops_per_process": trainer.datasheet_peak_flops,
         "mfu_datasheet": (mfu(trainer.flops_per_token, tokens_per_s, trainer.datasheet_peak_flops, dist.world_size)
                           if trainer.datasheet_peak_flops else None),
+        "strategy": trainer.strategy.name,
+        # parameters, gradients and optimizer state: the largest rank's own (shards under
+        # FSDP), and the whole model's (what every DDP rank holds)
+        "state_bytes_per_rank": state_bytes["per_rank"], "state_bytes_whole_model": state_bytes["whole_model"],
         "peak_memory_bytes": int(memory),
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
         "other_cpu_busy": noise[0].fraction() if noise else None,
     }
+
+
+def measured_state_bytes(trainer) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients and optimizer state read off the live tensors, after
+    one more forward and backward (gradients exist only within a step): the largest rank's
+    local share, and the whole model's."""
+    from mingpt_ddp.char_dataset import to_device
+
+    windows = torch.arange(min(trainer.micro_batch, len(trainer.val_windows)))
+    x, y = to_device(trainer.val_windows.gather(windows), trainer.device)
+    with trainer.precision.autocast():
+        _, loss = trainer.strategy.train_model(x, y)
+    trainer.scaler.scale(loss).backward()
+    mine = trainer.strategy.state_bytes(trainer.optimizer)
+    whole = trainer.strategy.state_bytes(trainer.optimizer, local=False)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return {"per_rank": {k: int(all_ranks_max(float(v), trainer.device)) for k, v in mine.items()},
+            "whole_model": whole}
 
 
 def best_window(step_s: list[float]) -> float:
@@ -682,6 +708,11 @@ def report(mode: str, result: dict[str, Any]) -> None:
               (result["datasheet_peak_flops_per_process"] or 0) / 1e12 or None,
               result["peak_memory_bytes"] / 2**20]],
         )
+        mine, whole = result["state_bytes_per_rank"], result["state_bytes_whole_model"]
+        print(f"{result['strategy']}: parameters + gradients + optimizer state per rank {sum(mine.values()) / 2**20:,.1f} MiB "
+              f"(parameters {mine['parameters'] / 2**20:,.1f}, gradients {mine['gradients'] / 2**20:,.1f}, optimizer "
+              f"{mine['optimizer_state'] / 2**20:,.1f}); the whole model's, as every DDP rank holds it: "
+              f"{sum(whole.values()) / 2**20:,.1f} MiB")
         best = result["tokens_per_s_best_window"]
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "

@@ -125,20 +125,19 @@ class Strategy:
         """The whole model as a plain module on rank 0 (None elsewhere); collective."""
         return self.model
 
-    def local_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state, measured on
-        the tensors themselves (their local shards under FSDP); shared tensors counted once."""
+    def state_bytes(self, optimizer: torch.optim.Optimizer, local: bool = True) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state, read off the tensors: this
+        rank's shards (`local`), or the whole tensors (what every DDP rank holds). A tensor
+        reached twice (the tied head) is counted once."""
         seen: set[int] = set()
 
         def size(t: Optional[torch.Tensor]) -> int:
-            if t is None:
+            if t is None or id(t) in seen:
                 return 0
-            local = t.to_local() if hasattr(t, "to_local") else t
-            key = local.untyped_storage().data_ptr() if local.numel() else id(local)
-            if key in seen:
-                return 0
-            seen.add(key)
-            return local.numel() * local.element_size()
+            seen.add(id(t))
+            if local and hasattr(t, "to_local"):
+                t = t.to_local()
+            return t.numel() * t.element_size()
 
         params = list(self.model.parameters())
         return {
