@@ -258,9 +258,10 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store) -> tup
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
-        whole = trainer.strategy.full_model() if val_loss is not None else None  # collective under FSDP
-        if whole is not None and dist.is_main:
-            metrics.note(sample.preview(whole, vocab, run_dir))
+        if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
+            preview = sample.preview(model, vocab, run_dir)  # the same text on every rank: same seed
+            if dist.is_main:
+                metrics.note(preview)
     finally:
         metrics.close(outcome)
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url

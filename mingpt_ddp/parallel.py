@@ -50,6 +50,9 @@ class Strategy:
 
     name = "ddp"
     sharded_snapshots = False  # snapshots: one file by rank 0 (snapshot.py)
+    # Must every rank run each forward pass (FSDP gathers parameters in it)? DDP's model
+    # alone runs on one rank (rank 0's sample preview).
+    collective_forward = False
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         self.cfg, self.dist, self.model, self.precision = cfg, dist, model, precision
@@ -121,10 +124,6 @@ class Strategy:
             h.update(_tensor_bytes(p.full_tensor() if hasattr(p, "full_tensor") else p))
         return h.hexdigest()[:16]
 
-    def full_model(self) -> Optional[GPT]:
-        """The whole model as a plain module on rank 0 (None elsewhere); collective."""
-        return self.model
-
     def state_bytes(self, optimizer: torch.optim.Optimizer, local: bool = True) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state, read off the tensors: this
         rank's shards (`local`), or the whole tensors (what every DDP rank holds). A tensor
@@ -153,6 +152,7 @@ class FSDPStrategy(Strategy):
 
     name = "fsdp"
     sharded_snapshots = True
+    collective_forward = True
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         if cfg.compile:
@@ -182,9 +182,13 @@ class FSDPStrategy(Strategy):
         # master weights; autocast (precision.py) still keeps LayerNorm and softmax in fp32.
         low = self.precision.dtype if self.precision.name != "fp32" else None
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-        for block in self.model.blocks:
-            fully_shard(block, mp_policy=policy)
-        fully_shard(self.model, mp_policy=policy)  # the root: embeddings, ln_f, and the head tied to wte
+        blocks = list(self.model.blocks)
+        for i, block in enumerate(blocks):
+            # Parameters are freed after each block's forward and gathered again for its
+            # backward, except the last block's, whose backward comes at once (torchtitan's choice).
+            fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
+        # The root: embeddings, ln_f, and the head tied to wte; its backward comes first too.
+        fully_shard(self.model, mp_policy=policy, reshard_after_forward=False)
         return self.model
 
     def no_sync(self, last: bool) -> ContextManager:
@@ -214,16 +218,6 @@ class FSDPStrategy(Strategy):
 
         set_state_dict(self.model, optimizer, model_state_dict=snapshot["model"],
                        optim_state_dict=snapshot["optimizer"])
-
-    def full_model(self) -> Optional[GPT]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.dist.is_main:
-            return None
-        plain = GPT(self.model.cfg)
-        plain.load_state_dict(state)
-        return plain.to(self.dist.device)
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
