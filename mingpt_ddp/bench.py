@@ -708,15 +708,16 @@ def report(mode: str, result: dict[str, Any]) -> None:
               (result["datasheet_peak_flops_per_process"] or 0) / 1e12 or None,
               result["peak_memory_bytes"] / 2**20]],
         )
-        mine, whole = result["state_bytes_per_rank"], result["state_bytes_whole_model"]
-        print(f"{result['strategy']}: parameters + gradients + optimizer state per rank {sum(mine.values()) / 2**20:,.1f} MiB "
-              f"(parameters {mine['parameters'] / 2**20:,.1f}, gradients {mine['gradients'] / 2**20:,.1f}, optimizer "
-              f"{mine['optimizer_state'] / 2**20:,.1f}); the whole model's, as every DDP rank holds it: "
-              f"{sum(whole.values()) / 2**20:,.1f} MiB")
         best = result["tokens_per_s_best_window"]
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+        mib = {name: [v / 2**20 for v in (*b.values(), sum(b.values()))] for name, b in
+               (("per rank", result["state_bytes_per_rank"]), ("whole model", result["state_bytes_whole_model"]))}
+        print_table(f"memory, trainer.strategy={result['strategy']}: bytes read off the tensors after a step (per rank: "
+                    "its own shards; whole model: what every DDP rank holds)",
+                    ["", "parameters MiB", "gradients MiB", "optimizer MiB", "total MiB"],
+                    [[name, *values] for name, values in mib.items()])
     elif mode == "precision":
         m = result["model"]
         print_table(f"precision: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch "

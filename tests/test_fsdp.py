@@ -10,8 +10,8 @@ import uuid
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, output, read_metrics, run_cli, s3_env
-from test_fault_tolerance import children, metrics_lines, start_torchrun, wait_for
+from conftest import PYTHON, REPO, TINY, TORCHRUN, output, read_metrics, run_cli, s3_env
+from test_fault_tolerance import children, rank_of, start_torchrun, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -71,25 +71,41 @@ def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, s
     assert json.loads((tmp_path / "export" / "config.json").read_text())["trained"]["step"] == 20
 
 
-def test_sigkilled_fsdp_run_resumes_bit_identical(tmp_path, small_corpus):
-    """Dropout on: the RNG of every rank comes back from the snapshot too."""
+def test_rank0_sigkilled_during_a_save_resumes_bit_identical_from_the_previous_snapshot(tmp_path, small_corpus,
+                                                                                       monkeypatch):
+    """Rank 0 dies after every rank wrote its shards and before its commit marker (each
+    commit held back 2 s): that directory is never used, torchrun restarts the workers, and
+    the run resumes from the previous snapshot and ends bit-identical to an uninterrupted
+    one (dropout on: every rank's RNG comes back too)."""
+    from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, MARKER
+
     common = ["trainer.strategy=fsdp", "trainer.max_steps=40", "trainer.snapshot_every_steps=5",
               "optimizer.decay_steps=100"]
     reference = tmp_path / "reference"
     must_pass(run_cli(args(reference, small_corpus, *common), nproc=2))
 
     run_dir = tmp_path / "killed"
+    dcp_dir = run_dir / "snapshot.pt.dcp"
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "2")
     proc = start_torchrun(args(run_dir, small_corpus, *common), max_restarts=1, log_path=tmp_path / "killed.log")
+
+    def uncommitted_after_a_committed():
+        steps = sorted(dcp_dir.glob("step*")) if dcp_dir.is_dir() else []
+        done = [d for d in steps if (d / MARKER).exists()]
+        pending = [d for d in steps if not (d / MARKER).exists() and (d / "__1_0.distcp").exists()
+                   and (d / "__0_0.distcp").exists()]
+        return done and pending and pending[-1] > done[-1] and (done[-1], pending[-1])
+
     try:
-        workers = wait_for(lambda: (w := children(proc.pid)) and len(w) == 2 and w, 120, "workers")
-        wait_for(lambda: metrics_lines(run_dir) >= 3, 120, "training progress")
-        os.kill(workers[-1], signal.SIGKILL)
+        committed, pending = wait_for(uncommitted_after_a_committed, 180, "shards written before their commit")
+        rank0 = next(pid for pid in children(proc.pid) if rank_of(pid) == 0)
+        os.kill(rank0, signal.SIGKILL)
         assert proc.wait(timeout=300) == 0, (tmp_path / "killed.log").read_text()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     log = (tmp_path / "killed.log").read_text()
-    assert "resumed from" in log, log
+    assert f"resumed from {committed}" in log, (committed, pending, log)
     a, meta_a = full_model(reference / "snapshot.pt")
     b, meta_b = full_model(run_dir / "snapshot.pt")
     assert meta_a["train_state"] == meta_b["train_state"] and meta_b["train_state"]["step"] == 40
@@ -160,3 +176,19 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     must_pass(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")))
     expect_error(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=4")),
                  "were saved with trainer.strategy=fsdp: resume them with trainer.strategy=fsdp")
+
+
+def test_bench_reports_each_ranks_share_of_parameters_gradients_and_optimizer_state(tmp_path, small_corpus):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node=2",
+         "-m", "mingpt_ddp.bench", "train", *TINY, f"data.path={small_corpus}", "steps=1", "warmup=0",
+         "trainer.strategy=fsdp", f"out={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, output(proc)
+    assert "memory, trainer.strategy=fsdp" in proc.stdout
+    r = json.loads(out.read_text())
+    mine, whole = r["state_bytes_per_rank"], r["state_bytes_whole_model"]
+    assert whole["parameters"] == 4 * r["parameters"] == whole["gradients"]  # fp32, the tied head once
+    assert whole["optimizer_state"] >= 2 * whole["parameters"]  # AdamW's two moments (and its step counters)
+    for key in whole:  # each rank holds about half: its shards, padded to whole rows
+        assert 0.45 * whole[key] < mine[key] < 0.6 * whole[key], (key, mine, whole)
