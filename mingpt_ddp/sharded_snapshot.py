@@ -181,6 +181,7 @@ class SaveHandle:
         self.step = step
         self.directory = directory
         self._error: Optional[str] = None
+        self.superseded = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def _run(self, target) -> None:
@@ -208,12 +209,16 @@ class ShardedSnapshotStore:
     """Sharded (DCP) snapshots of one run: ``<snapshot_path>.dcp/step000000420/`` directories.
 
     `path` is the run's ``trainer.snapshot_path`` (a local path or any fsspec URL);
-    `storage_options` go to fsspec (and to DCP's fsspec reader and writer).
+    `storage_options` go to fsspec (and to DCP's fsspec reader and writer). Reading a remote
+    store retries transient failures for `retry_minutes` (then a ConfigError); a save that
+    fails transiently is retried in the background for `save_retry_minutes` (then its
+    handle's wait() returns the error, on every rank).
     """
 
     def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
-                 retry_minutes: float = 2.0):
+                 retry_minutes: float = 2.0, save_retry_minutes: float = 15.0):
         self.url = path
+        self.save_retry_minutes = save_retry_minutes
         self.storage_options = dict(storage_options or {})
         self.keep_last = max(1, keep_last)
         self._files = SnapshotStore(path, keep_last, storage_options, retry_minutes)  # check_writable, hints
@@ -438,6 +443,7 @@ class ShardedSnapshotStore:
         save first. `process_group`: a group with a CPU backend that nothing else uses
         meanwhile (default: one gloo group this store creates)."""
         if self._inflight is not None:
+            self._inflight.superseded.set()  # a save waiting to be retried gives way to this newer one
             self._inflight.wait()
         group = process_group if process_group is not None else self._save_group()
         rank = _group_rank(group)
@@ -449,7 +455,7 @@ class ShardedSnapshotStore:
         staged = self._stage(sharded)
         directory = self.step_dir(step)
         handle = SaveHandle(step, self.display(directory))
-        handle._run(lambda: self._save(step, directory, staged, meta_blob, group))
+        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle.superseded))
         self._inflight = handle
         return handle
 
@@ -461,25 +467,64 @@ class ShardedSnapshotStore:
         """Wait for the save in flight, if any; its error or None."""
         return self._inflight.wait() if self._inflight is not None else None
 
-    def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group) -> Optional[str]:
+    def close(self) -> Optional[str]:
+        """Wait for the save in flight and free the staging buffers; before the process
+        group is destroyed (the save's collectives use it). Its error or None."""
+        error = self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        return error
+
+    def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group,
+              superseded: threading.Event) -> Optional[str]:
+        """Attempt the save until it is committed, fails for good, or has failed for
+        `save_retry_minutes`; every rank takes the same decisions (each attempt's outcome is
+        agreed), so their collectives stay in step. A newer save_async on any rank ends the
+        retries: the newer snapshot replaces this one."""
+        where = self.display(directory)
+        started = time.monotonic()
+        for attempt, delay in enumerate(storage.backoff_delays(first=1.0, cap=60.0), start=1):
+            error, transient = self._save_once(step, directory, staged, meta_blob, group)
+            if error is None:
+                if attempt > 1:
+                    log.warning("saving sharded snapshot %s worked after %d failed attempts", where, attempt - 1)
+                return None
+            elapsed = time.monotonic() - started
+            if not transient or elapsed + delay > 60 * self.save_retry_minutes:
+                if transient:
+                    error += (f" (failing for {elapsed:.0f}s, {attempt} attempts; "
+                              f"trainer.save_retry_minutes={self.save_retry_minutes:g})")
+                return error
+            log.warning("%s; retrying in %.0fs while training goes on", error, delay)
+            superseded.wait(delay)
+            if any(_agree(group, superseded.is_set())):
+                log.warning("sharded snapshot %s was not saved; a newer one replaces it", where)
+                return None
+        raise AssertionError("unreachable")
+
+    def _save_once(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes],
+                   group) -> tuple[Optional[str], bool]:
+        """One attempt: (error, worth retrying), the same on every rank."""
         rank = _group_rank(group)
         where = self.display(directory)
         # 1. rank 0 clears what an earlier attempt left at this step and writes meta.pt.
-        problem = None
+        outcome: tuple[Optional[str], bool] = (None, False)
         if rank == 0:
             try:
                 self._clear_for_save(directory)
                 self._write_whole(f"{directory}/{META}", meta_blob)
             except Exception as exc:
-                problem = f"preparing {where} failed: {storage.describe(exc)}"
-        problem = _from_rank0(group, problem)
-        if problem:
-            return problem
-        # 2. every rank writes its shards; DCP raises on every rank if any rank failed.
+                outcome = (f"preparing sharded snapshot {where} failed: {storage.describe(exc)}",
+                           storage.is_transient(exc))
+        outcome = _from_rank0(group, outcome)
+        if outcome[0]:
+            return outcome
+        # 2. every rank writes its shards; DCP raises the same exception on every rank if any failed.
         try:
             dcp.save(staged, storage_writer=self._writer(directory), process_group=group)
-        except (Exception, CheckpointException) as exc:  # (a BaseException; raised on every rank)
-            return f"writing sharded snapshot {where} failed: {_why(exc)}"
+        except (Exception, CheckpointException) as exc:  # (CheckpointException is a BaseException)
+            return f"writing sharded snapshot {where} failed: {_why(exc)}", _transient(exc)
         # 3. every rank hashes its own files; rank 0 commits once it has them all.
         hashed: dict[str, Any] = {}
         try:
@@ -490,18 +535,20 @@ class ShardedSnapshotStore:
                 size, digest = _sha256_of(self.fs, f"{directory}/{name}")
                 hashed[name] = {"size": size, "sha256": digest}
         except Exception as exc:
-            hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}"}
+            hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}",
+                      "transient": storage.is_transient(exc)}
         everyone = _agree(group, hashed)
-        result = None
         if rank == 0:
-            result = self._commit(step, directory, everyone, _group_size(group))
-        return _from_rank0(group, result)
+            outcome = self._commit(step, directory, everyone, _group_size(group))
+        return _from_rank0(group, outcome)
 
-    def _commit(self, step: int, directory: str, everyone: list[dict[str, Any]], world_size: int) -> Optional[str]:
+    def _commit(self, step: int, directory: str, everyone: list[dict[str, Any]],
+                world_size: int) -> tuple[Optional[str], bool]:
         where = self.display(directory)
-        errors = [h["error"] for h in everyone if "error" in h]
-        if errors:
-            return f"sharded snapshot {where} not committed: " + "; ".join(errors)
+        failed = [h for h in everyone if "error" in h]
+        if failed:
+            return (f"sharded snapshot {where} not committed: " + "; ".join(h["error"] for h in failed),
+                    all(h["transient"] for h in failed))
         files: dict[str, Any] = {}
         for h in everyone:
             files.update(h)
@@ -513,14 +560,14 @@ class ShardedSnapshotStore:
         try:
             self._write_whole(f"{directory}/{MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())
         except Exception as exc:
-            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}"
+            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}", storage.is_transient(exc)
         log.info("saved sharded snapshot %s (step %d)", where, step)
         try:
             self._apply_retention(step)
         except Exception as exc:  # the snapshot is committed; the next save retries the cleanup
             log.warning("removing old sharded snapshots at %s failed (%s); will retry at the next save",
                         self.url, storage.describe(exc))
-        return None
+        return None, False
 
     def _writer(self, directory: str) -> FsspecWriter:
         # Object stores: a completed PUT is durable; fsync would fall back to a local os.sync().
@@ -608,6 +655,12 @@ def _why(exc: BaseException) -> str:
         rank, (inner, _) = sorted(exc.failures.items(), key=lambda item: item[0])[0]
         return f"rank {rank}: {storage.describe(inner)}"
     return storage.describe(exc)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, CheckpointException):
+        return bool(exc.failures) and all(storage.is_transient(inner) for inner, _ in exc.failures.values())
+    return storage.is_transient(exc)
 
 
 def _unloadable(where: str, exc: BaseException) -> str:

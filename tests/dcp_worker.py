@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from mingpt_ddp.distributed import shutdown
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, ShardedSnapshotStore
 
@@ -81,6 +82,7 @@ def main() -> None:
                 print(f"rank {rank}: save failed: {error}", flush=True)
                 sys.exit(3)
             print(f"rank {rank}: committed step {step}", flush=True)
+        assert store.close() is None
         if rank == 0:
             torch.save(expected, os.path.join(out, "saved.pt"))
     elif action == "load":
@@ -96,8 +98,7 @@ def main() -> None:
         states = full_states(model, optimizer)
         if rank == 0:
             torch.save({**states, "meta": meta, "where": where}, os.path.join(out, "loaded.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown(clean=True)  # the project's ordered teardown (gloo can SIGABRT at interpreter exit otherwise)
 
 
 if __name__ == "__main__":

@@ -327,3 +327,31 @@ def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     keys = [o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert f"runs/fsdp/snapshot.pt.dcp/step000000002/{MARKER}" in keys
     assert {"__0_0.distcp", "__1_0.distcp"} <= {k.rsplit("/", 1)[-1] for k in keys if "step000000002" in k}
+
+
+def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(seaweedfs, caplog):
+    bucket = f"dcp-{uuid.uuid4().hex[:8]}"
+    seaweedfs.make_bucket(bucket)
+    url = f"s3://{bucket}/runs/b/snapshot.pt"
+    store = ShardedSnapshotStore(url, storage_options=s3_options(seaweedfs), save_retry_minutes=5)
+    assert store.save(1, state(1), {"train_state": {"step": 1}}) is None
+    seaweedfs.stop()
+    try:
+        with caplog.at_level(logging.WARNING):
+            handle = store.save_async(2, state(2), {"train_state": {"step": 2}})
+            deadline = time.monotonic() + 60
+            while "retrying in" not in caplog.text:
+                assert time.monotonic() < deadline and not handle.done(), caplog.text
+                time.sleep(0.1)
+    finally:
+        seaweedfs.start()
+    assert handle.wait() is None
+    assert store.latest_meta()[0]["train_state"]["step"] == 2
+
+
+def test_a_save_that_cannot_work_fails_at_once_with_the_reason(seaweedfs, caplog):
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/snapshot.pt"
+    store = ShardedSnapshotStore(url, storage_options=s3_options(seaweedfs), save_retry_minutes=5)
+    with caplog.at_level(logging.WARNING):
+        error = store.save(1, state(1), {})
+    assert error and "step000000001" in error and "retrying" not in caplog.text
