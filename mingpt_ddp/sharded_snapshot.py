@@ -287,6 +287,7 @@ class ShardedSnapshotStore:
         """The commit marker of `directory` (display or in-store form), checked for shape."""
         directory = self._in_fs(directory)
         where = self.display(directory)
+        self.fs.invalidate_cache(directory)  # s3fs sizes files from its listing cache before reading
         try:
             marker = json.loads(self.fs.cat_file(f"{directory}/{MARKER}"))
         except FileNotFoundError:
@@ -317,6 +318,7 @@ class ShardedSnapshotStore:
 
     def _check_checksums(self, directory: str, names: list[str], marker: dict[str, Any]) -> None:
         where = self.display(directory)
+        self.fs.invalidate_cache(directory)
         for name in names:
             try:
                 size, digest = _sha256_of(self.fs, f"{directory}/{name}")
@@ -330,6 +332,7 @@ class ShardedSnapshotStore:
 
     def _read_meta(self, directory: str, marker: dict[str, Any]) -> dict[str, Any]:
         where = self.display(directory)
+        self.fs.invalidate_cache(directory)
         blob = self.fs.cat_file(f"{directory}/{META}")
         if len(blob) != marker["files"][META]["size"] or hashlib.sha256(blob).hexdigest() != marker["files"][META]["sha256"]:
             raise CorruptShardedSnapshot(f"{where}: checksum mismatch in {META} (modified or damaged)")
@@ -342,7 +345,8 @@ class ShardedSnapshotStore:
     def latest_meta(self) -> Optional[tuple[dict[str, Any], str]]:
         """(meta, directory) of the newest committed snapshot whose marker, file sizes and
         meta.pt checksum are right; None when there is none. The shards' checksums are
-        verified by load(). Every committed snapshot damaged: a ConfigError."""
+        verified by load(). Every committed snapshot damaged: a ConfigError. Not collective:
+        where all ranks must take the same decision, use load_latest (or broadcast this)."""
         def find() -> Optional[tuple[dict[str, Any], str]]:
             problems = []
             for _, directory in self._committed():
@@ -367,49 +371,65 @@ class ShardedSnapshotStore:
                               + ". Move these directories away to start from scratch, or set trainer.snapshot_path"
                               " elsewhere")
 
-    def verify(self, where: str, process_group=None) -> None:
+    def verify(self, where: str, process_group=None) -> dict[str, Any]:
         """Collective: every file of `where` against the marker's sizes and sha256, the files
-        split over the ranks (each read once in all). Raises CorruptShardedSnapshot on every
-        rank if any rank found a problem."""
+        split over the ranks (each read once in all); the snapshot's meta. Every rank raises
+        the same: CorruptShardedSnapshot if any rank found damage, a ConfigError if a rank
+        could not read the store (after retrying for `retry_minutes`)."""
         directory = self._in_fs(where)
+        where = self.display(directory)
         rank, size = _group_rank(process_group), _group_size(process_group)
-        problem = None
-        try:
-            marker = self.read_marker(directory)
-            names = sorted(marker["files"])
-            self._check_checksums(directory, names[rank::size], marker)
-        except CorruptShardedSnapshot as exc:
-            problem = str(exc)
-        except Exception as exc:
-            problem = f"{self.display(directory)}: cannot be read ({storage.describe(exc)})"
-        problems = [p for p in _agree(process_group, problem) if p]
-        if problems:
-            raise CorruptShardedSnapshot(problems[0])
 
-    def load(self, where: str, sharded: dict[str, Any], process_group=None) -> None:
+        def my_part() -> tuple[Optional[dict[str, Any]], Optional[str]]:
+            try:
+                marker = self.read_marker(directory)
+                meta = self._read_meta(directory, marker)
+                self._check_checksums(directory, sorted(marker["files"])[rank::size], marker)
+                return meta, None
+            except CorruptShardedSnapshot as exc:  # returned, not raised: damage is not retried
+                return None, str(exc)
+
+        meta, outcome = None, (None, "")
+        try:
+            meta, damage = storage.retry_transient(my_part, f"verifying {where}", self.retry_minutes)
+            if damage:
+                outcome = (damage, "damaged")
+        except Exception as exc:
+            outcome = (f"cannot read sharded snapshot {where} ({storage.describe(exc)})"
+                       f"{self._files._hint(exc, 'read')}", "unreadable")
+        outcomes = _agree(process_group, outcome)
+        for kind, error in (("unreadable", ConfigError), ("damaged", CorruptShardedSnapshot)):
+            found = [text for text, k in outcomes if k == kind]
+            if found:
+                raise error(found[0])
+        return meta
+
+    def load(self, where: str, sharded: dict[str, Any], process_group=None) -> dict[str, Any]:
         """Collective: DCP-load the snapshot at `where` (from latest_meta/candidates) in place
-        into `sharded` (this world size's sharded state dicts; DCP reshards), after checking
-        every file's checksum. Raises CorruptShardedSnapshot (on every rank) if one is off."""
-        self.verify(where, process_group)
+        into `sharded` (this world size's sharded state dicts; DCP reshards), after verify();
+        its meta. Raises as verify() does, and a ConfigError (on every rank) if DCP cannot load
+        it into `sharded` (another model's snapshot)."""
+        meta = self.verify(where, process_group)
         try:
             dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
                      process_group=process_group)
         except (Exception, CheckpointException) as exc:  # checksums matched: another model's, or crafted
-            raise ConfigError(_unloadable(where, exc)) from None
+            raise ConfigError(_unloadable(self.display(self._in_fs(where)), exc)) from None
+        return meta
 
     def load_latest(self, sharded: dict[str, Any], process_group=None) -> Optional[tuple[dict[str, Any], str]]:
         """Collective: load the newest snapshot that passes every check into `sharded`;
         (meta, where), or None when there is none. Damaged ones are skipped with a warning
-        (and moved aside by rank 0 where renaming is cheap); all damaged: a ConfigError."""
+        (and moved aside by rank 0 where renaming is cheap); all damaged: a ConfigError.
+        Rank 0's listing is used by every rank, so all ranks try the same snapshots."""
         rank = _group_rank(process_group)
-        listed = _from_rank0(process_group, [d for _, d in self._committed()] if rank == 0 else None)
+        listed = _from_rank0(process_group, self._retrying(lambda: [d for _, d in self._committed()],
+                                                           "listing sharded snapshots") if rank == 0 else None)
         problems = []
         for directory in listed:
             where = self.display(directory)
             try:
-                meta = self._read_meta(directory, self.read_marker(directory))
-                self.load(where, sharded, process_group)
-                return meta, where
+                return self.load(where, sharded, process_group), where
             except CorruptShardedSnapshot as exc:
                 log.warning("skipping unusable sharded snapshot %s", exc)
                 problems.append(str(exc))

@@ -7,6 +7,8 @@ or loads from, a ShardedSnapshotStore.
     dcp_worker.py load <snapshot_path> <out_dir>
         a differently initialised model loads the newest valid snapshot; rank 0 writes
         <out_dir>/loaded.pt (full states, the meta and where it came from).
+    dcp_worker.py roundtrip <snapshot_path> <out_dir> <step> [<step> ...]
+        save, then load (one process group for both).
 
 Storage options come as JSON in DCP_TEST_STORAGE_OPTIONS; DCP_TEST_KEEP_LAST sets keep_last;
 DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save.
@@ -61,7 +63,7 @@ def main() -> None:
     options = json.loads(os.environ.get("DCP_TEST_STORAGE_OPTIONS", "{}"))
     store = ShardedSnapshotStore(path, keep_last=int(os.environ.get("DCP_TEST_KEEP_LAST", "2")),
                                  storage_options=options)
-    if action == "save":
+    if action in ("save", "roundtrip"):
         store.check_writable()
         model, optimizer = build(seed=0)
         expected = None
@@ -85,7 +87,7 @@ def main() -> None:
         assert store.close() is None
         if rank == 0:
             torch.save(expected, os.path.join(out, "saved.pt"))
-    elif action == "load":
+    if action in ("load", "roundtrip"):
         model, optimizer = build(seed=123)
         msd, osd = get_state_dict(model, optimizer)
         sharded = {"model": msd, "optimizer": osd}

@@ -221,19 +221,26 @@ def assert_same_states(expected: dict, got: dict) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """Steps 1, 2, 3 saved by 2 FSDP ranks (keep_last=2), training on while each is written."""
+    """Steps 1, 2, 3 saved by 2 FSDP ranks (keep_last=2), training on while each is written,
+    then loaded back into a differently initialised model on the same 2 ranks."""
     base = tmp_path_factory.mktemp("fsdp")
     path = base / "run" / "snapshot.pt"
-    worker(["save", str(path), str(base), "1", "2", "3"], nproc=2)
-    return path, torch.load(base / "saved.pt", weights_only=True)
+    worker(["roundtrip", str(path), str(base), "1", "2", "3"], nproc=2)
+    return path, torch.load(base / "saved.pt", weights_only=True), torch.load(base / "loaded.pt", weights_only=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 1])
-def test_fsdp_snapshot_loads_bit_identical_on_2_ranks_and_resharded_on_1(fsdp_run, tmp_path, nproc):
-    path, saved = fsdp_run
+def test_fsdp_snapshot_loads_back_bit_identical_on_2_ranks(fsdp_run):
+    path, saved, loaded = fsdp_run
     assert step_dirs(path.parent / "snapshot.pt.dcp") == ["step000000002", "step000000003"]
-    worker(["load", str(path), str(tmp_path)], nproc=nproc)
+    assert loaded["meta"]["train_state"]["step"] == 3 and loaded["meta"]["world_size"] == 2
+    assert_same_states(saved, loaded)
+
+
+@pytest.mark.slow
+def test_a_2_rank_fsdp_snapshot_loads_resharded_on_1_rank(fsdp_run, tmp_path):
+    path, saved, _ = fsdp_run
+    worker(["load", str(path), str(tmp_path)], nproc=1)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded["meta"]["train_state"]["step"] == 3 and loaded["meta"]["world_size"] == 2
     assert_same_states(saved, loaded)
@@ -246,7 +253,7 @@ def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_grou
     from mingpt_ddp.model import GPT
     from dcp_worker import CFG
 
-    path, saved = fsdp_run
+    path, saved, _ = fsdp_run
     model_state, meta = load_full_model_state(str(path))
     assert not dist.is_initialized() and meta["train_state"]["step"] == 3
     model = GPT(CFG)
@@ -260,7 +267,7 @@ def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_grou
 def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_used(fsdp_run, tmp_path):
     import shutil
 
-    path, _ = fsdp_run
+    path, _, _ = fsdp_run
     copy_root = tmp_path / "run"
     shutil.copytree(path.parent, copy_root)
     shard = copy_root / "snapshot.pt.dcp" / "step000000003" / "__1_0.distcp"
@@ -272,14 +279,6 @@ def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_us
     assert loaded["meta"]["train_state"]["step"] == 2, text
     assert "checksum mismatch in __1_0.distcp" in text
     assert any(n.startswith("step000000003.corrupt") for n in step_dirs(copy_root / "snapshot.pt.dcp"))
-
-
-def children(pid: int) -> list[int]:
-    try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return []
-    return [int(p) for p in out.split()]
 
 
 @pytest.mark.slow
@@ -318,8 +317,7 @@ def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     seaweedfs.make_bucket(bucket)
     url = f"s3://{bucket}/runs/fsdp/snapshot.pt"
     env = {"DCP_TEST_STORAGE_OPTIONS": json.dumps(s3_options(seaweedfs))}
-    worker(["save", url, str(tmp_path), "1", "2"], nproc=2, env=env)
-    worker(["load", url, str(tmp_path)], nproc=2, env=env)
+    worker(["roundtrip", url, str(tmp_path), "1", "2"], nproc=2, env=env)
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded["where"] == f"{url}.dcp/step000000002"
