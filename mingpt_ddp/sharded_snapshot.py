@@ -43,6 +43,7 @@ import os
 import pickle
 import re
 import threading
+from contextlib import contextmanager
 import time
 import uuid
 from typing import Any, Mapping, Optional
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
@@ -133,6 +135,59 @@ class _SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 
 class _SafeEmptyStateDictLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
     pass
+
+
+class _HashingStream:
+    """A written file, hashed on the way (DCP writes its shard files front to back); a seek
+    voids the hash and the file is read back instead."""
+
+    def __init__(self, stream):
+        self._stream, self.sha, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        self.sha.update(view[: len(view) if written is None else written])
+        self.size += len(view) if written is None else written
+        return written
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class _HashingFileSystem(_FsspecFileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256) as written
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            self.written[os.fspath(path).rsplit("/", 1)[-1]] = (hashing.size, hashing.sha.hexdigest())
+
+
+class _HashingWriter(FsspecWriter):
+    """DCP's fsspec writer, keeping the size and sha256 of each file as it writes it, so a
+    rank need not read its shards back (from S3) to put them in the commit marker."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+        self.path = self.fs.init_path(path, **{k: v for k, v in kwargs.items() if k not in _WRITER_ARGS})
+
+
+_WRITER_ARGS = {"single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead", "overwrite",
+                "_extensions", "serialization_format"}
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -541,18 +596,22 @@ class ShardedSnapshotStore:
         if outcome[0]:
             return outcome
         # 2. every rank writes its shards; DCP raises the same exception on every rank if any failed.
+        writer = self._writer(directory)
         try:
-            dcp.save(staged, storage_writer=self._writer(directory), process_group=group)
+            dcp.save(staged, storage_writer=writer, process_group=group)
         except (Exception, CheckpointException) as exc:  # (CheckpointException is a BaseException)
             return f"writing sharded snapshot {where} failed: {_why(exc)}", _transient(exc)
-        # 3. every rank hashes its own files; rank 0 commits once it has them all.
+        # 3. every rank lists its own files (hashed as written when the stored size agrees,
+        #    else read back); rank 0 commits once it has them all.
         hashed: dict[str, Any] = {}
         try:
-            names = self._files_of_rank(directory, rank)
+            stored = self._files_of_rank(directory, rank)
             if rank == 0:
-                names += [".metadata", META]
-            for name in names:
-                size, digest = _sha256_of(self.fs, f"{directory}/{name}")
+                stored.update({name: None for name in (".metadata", META)})
+            for name, stored_size in stored.items():
+                size, digest = writer.fs.written.get(name, (None, None))
+                if size is None or size != stored_size:
+                    size, digest = _sha256_of(self.fs, f"{directory}/{name}")
                 hashed[name] = {"size": size, "sha256": digest}
         except Exception as exc:
             hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}",
@@ -589,16 +648,18 @@ class ShardedSnapshotStore:
                         self.url, storage.describe(exc))
         return None, False
 
-    def _writer(self, directory: str) -> FsspecWriter:
+    def _writer(self, directory: str) -> _HashingWriter:
         # Object stores: a completed PUT is durable; fsync would fall back to a local os.sync().
-        return FsspecWriter(self._url(directory), sync_files=not self.is_object_store,
-                            **({} if self.is_local else self.storage_options))
+        return _HashingWriter(self._url(directory), sync_files=not self.is_object_store,
+                              **({} if self.is_local else self.storage_options))
 
-    def _files_of_rank(self, directory: str, rank: int) -> list[str]:
+    def _files_of_rank(self, directory: str, rank: int) -> dict[str, int]:
+        """{name: stored size} of the shard files `rank` wrote (DCP names them __<rank>_<n>)."""
         pattern = re.compile(rf"^__{rank}_\d+\.distcp$")
         self.fs.invalidate_cache(directory)
-        return sorted(n for n in (p.rsplit("/", 1)[-1] for p in self.fs.ls(directory, detail=False))
-                      if pattern.match(n))
+        entries = self.fs.ls(directory, detail=True)
+        return {name: entry.get("size") for entry in entries
+                if pattern.match(name := entry["name"].rstrip("/").rsplit("/", 1)[-1])}
 
     def _write_whole(self, path: str, blob: bytes) -> None:
         """`path` appears whole or not at all (atomic rename locally, one PUT on object stores)."""
