@@ -1,5 +1,12 @@
 """Sharded snapshots of FSDP runs through torch.distributed.checkpoint (DCP).
 
+API beyond the agreed one (issue 17): ``load()`` returns the snapshot's meta;
+``load_latest(sharded)`` (collective) finds, verifies and loads the newest usable snapshot,
+falling back past damaged ones; ``verify(where)``; ``save()`` (save_async + wait);
+``wait()`` / ``close()`` (call close() before destroying the process group);
+``save_retry_minutes`` (constructor). A newer ``save_async`` supersedes a save that is
+waiting to be retried, so call it without waiting for the previous handle first.
+
 Layout next to ``trainer.snapshot_path`` (``.../snapshot.pt``)::
 
     snapshot.pt.dcp/step000000420/
