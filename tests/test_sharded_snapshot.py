@@ -352,3 +352,24 @@ def test_a_save_that_cannot_work_fails_at_once_with_the_reason(seaweedfs, caplog
     with caplog.at_level(logging.WARNING):
         error = store.save(1, state(1), {})
     assert error and "step000000001" in error and "retrying" not in caplog.text
+
+
+def test_a_newer_save_replaces_one_waiting_to_be_retried(seaweedfs, caplog):
+    bucket = f"dcp-{uuid.uuid4().hex[:8]}"
+    seaweedfs.make_bucket(bucket)
+    store = ShardedSnapshotStore(f"s3://{bucket}/snapshot.pt", storage_options=s3_options(seaweedfs),
+                                 save_retry_minutes=5)
+    seaweedfs.stop()
+    try:
+        with caplog.at_level(logging.WARNING):
+            stale = store.save_async(2, state(2), {"train_state": {"step": 2}})
+            deadline = time.monotonic() + 60
+            while "retrying in" not in caplog.text:
+                assert time.monotonic() < deadline and not stale.done(), caplog.text
+                time.sleep(0.1)
+            newer = store.save_async(3, state(3), {"train_state": {"step": 3}})  # the store is still down
+            assert stale.done() and stale.wait() is None and "a newer one replaces it" in caplog.text
+    finally:
+        seaweedfs.start()
+    assert newer.wait() is None
+    assert [c.rsplit("/", 1)[-1] for c in store.candidates()] == ["step000000003"]
