@@ -4,8 +4,9 @@ API beyond the agreed one (issue 17): ``load()`` returns the snapshot's meta;
 ``load_latest(sharded)`` (collective) finds, verifies and loads the newest usable snapshot,
 falling back past damaged ones; ``verify(where)``; ``save()`` (save_async + wait);
 ``wait()`` / ``close()`` (call close() before destroying the process group);
-``save_retry_minutes`` (constructor). A newer ``save_async`` supersedes a save that is
-waiting to be retried, so call it without waiting for the previous handle first.
+``save_retry_minutes`` and ``collective_timeout_minutes`` (constructor). A newer
+``save_async`` supersedes a save that is waiting to be retried, so call it without
+waiting for the previous handle first.
 
 Layout next to ``trainer.snapshot_path`` (``.../snapshot.pt``)::
 
@@ -42,6 +43,7 @@ shards are written and before the marker (tests kill it there).
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -274,12 +276,15 @@ class ShardedSnapshotStore:
     `storage_options` go to fsspec (and to DCP's fsspec reader and writer). Reading a remote
     store retries transient failures for `retry_minutes` (then a ConfigError); a save that
     fails transiently is retried in the background for `save_retry_minutes` (then its
-    handle's wait() returns the error, on every rank).
+    handle's wait() returns the error, on every rank). The saves' own gloo group gives up
+    waiting for a rank after `collective_timeout_minutes` (default: torch's).
     """
 
     def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
-                 retry_minutes: float = 2.0, save_retry_minutes: float = 15.0):
+                 retry_minutes: float = 2.0, save_retry_minutes: float = 15.0,
+                 collective_timeout_minutes: Optional[float] = None):
         self.url = path
+        self.collective_timeout_minutes = collective_timeout_minutes
         self.save_retry_minutes = save_retry_minutes
         self.storage_options = dict(storage_options or {})
         self.keep_last = max(1, keep_last)
@@ -507,7 +512,9 @@ class ShardedSnapshotStore:
     def _save_group(self):
         """A gloo group of its own for the background thread (collective on first use)."""
         if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            minutes = self.collective_timeout_minutes
+            self._group = dist.new_group(backend="gloo", timeout=None if minutes is None else
+                                         datetime.timedelta(minutes=minutes))
         return self._group
 
     def _stage(self, sharded: dict[str, Any]) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def main() -> None:
     delay_step, _, delay = os.environ.get("DCP_TEST_DELAY_AT_STEP", "-1:0").partition(":")
     options = json.loads(os.environ.get("DCP_TEST_STORAGE_OPTIONS", "{}"))
     store = ShardedSnapshotStore(path, keep_last=int(os.environ.get("DCP_TEST_KEEP_LAST", "2")),
-                                 storage_options=options)
+                                 storage_options=options, collective_timeout_minutes=5)
     if action in ("save", "roundtrip"):
         store.check_writable()
         model, optimizer = build(seed=0)
