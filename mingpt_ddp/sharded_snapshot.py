@@ -82,8 +82,9 @@ _STEP_DIR = re.compile(r"^step(\d+)$")
 _HASH_CHUNK = 8 << 20
 
 
-class CorruptShardedSnapshot(Exception):
-    """A committed snapshot directory whose files fail the marker's sizes or checksums."""
+class CorruptShardedSnapshot(ConfigError):
+    """A committed snapshot directory whose files fail the marker's sizes or checksums (a
+    ConfigError: if it reaches the user, it is one line saying which file)."""
 
 
 # ---- safe unpickling of what DCP pickles --------------------------------------------------
@@ -344,7 +345,7 @@ class ShardedSnapshotStore:
     def _retrying(self, fn, what: str):
         try:
             return storage.retry_transient(fn, f"{what} at {self.url}", self.retry_minutes)
-        except (ConfigError, CorruptShardedSnapshot):
+        except ConfigError:  # CorruptShardedSnapshot included
             raise
         except Exception as exc:
             raise ConfigError(f"cannot read sharded snapshots at {self.url} ({storage.describe(exc)})"
@@ -476,6 +477,13 @@ class ShardedSnapshotStore:
         into `sharded` (this world size's sharded state dicts; DCP reshards), after verify();
         its meta. Raises as verify() does, and a ConfigError (on every rank) if DCP cannot load
         it into `sharded` (another model's snapshot)."""
+        try:
+            return self._load(where, sharded, process_group)
+        except CorruptShardedSnapshot as exc:
+            raise CorruptShardedSnapshot(f"{exc}. Move that directory away to resume from the previous snapshot, "
+                                         "or set trainer.snapshot_path elsewhere") from None
+
+    def _load(self, where: str, sharded: dict[str, Any], process_group=None) -> dict[str, Any]:
         meta = self.verify(where, process_group)
         try:
             dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
@@ -496,7 +504,7 @@ class ShardedSnapshotStore:
         for directory in listed:
             where = self.display(directory)
             try:
-                return self.load(where, sharded, process_group), where
+                return self._load(where, sharded, process_group), where
             except CorruptShardedSnapshot as exc:
                 log.warning("skipping unusable sharded snapshot %s", exc)
                 problems.append(str(exc))

@@ -112,6 +112,8 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
         model, meta = load_full_model_state(store.url)
     assert meta["train_state"]["step"] == 1 and torch.equal(model["w"], state(1)["model"]["w"])
     assert "step000000002" in caplog.text
+    with pytest.raises(ConfigError, match=r"step000000002.*Move that directory away"):  # one line for the user
+        store.load(store.candidates()[0], empty())
     target = empty()
     with caplog.at_level(logging.WARNING):
         meta, where = store.load_latest(target)
