@@ -1,17 +1,14 @@
 """Sharded (DCP) snapshots: commit marker, checksums, retention, safe loading, background
 saves; FSDP2 round trips, resharding, a rank 0 killed before the commit, and S3 with real
 processes (torchrun, gloo) in the slow tests."""
-import copy
 import json
 import logging
 import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 import uuid
-import warnings
 from pathlib import Path
 
 import pytest
