@@ -88,11 +88,12 @@ class CorruptShardedSnapshot(ConfigError):
 
 
 # ---- safe unpickling of what DCP pickles --------------------------------------------------
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.metadata",)
+_SAFE_MODULES = {"torch.distributed.checkpoint.metadata"}
 _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
@@ -100,6 +101,7 @@ _SAFE_GLOBALS = {
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),
+    ("pathlib._local", "PosixPath"),  # Python 3.13+
 }
 
 
@@ -110,9 +112,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) in _SAFE_GLOBALS or (module.startswith(_SAFE_MODULE_PREFIXES) and not name.startswith("__")):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module in _SAFE_MODULES and not name.startswith("_"):  # its own dataclasses and enums only
             found = super().find_class(module, name)
-            if isinstance(found, type) or (module, name) in _SAFE_GLOBALS:
+            if isinstance(found, type) and found.__module__ == module:
                 return found
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from a snapshot's DCP metadata")
 
