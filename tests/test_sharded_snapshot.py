@@ -71,6 +71,17 @@ def test_a_save_is_a_step_directory_published_by_its_marker_and_loads_back(tmp_p
     assert is_sharded(store.url) and not is_sharded(str(tmp_path / "other" / "snapshot.pt"))
 
 
+def test_shards_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
+    import mingpt_ddp.sharded_snapshot as sharded_snapshot
+
+    read_back = []
+    real = sharded_snapshot._sha256_of
+    monkeypatch.setattr(sharded_snapshot, "_sha256_of", lambda fs, path: read_back.append(path) or real(fs, path))
+    store = saved_store(tmp_path, [1])
+    assert read_back and not [p for p in read_back if p.endswith(".distcp")]  # only the small files
+    store.verify(store.candidates()[0])  # and what was hashed on the way is what is stored
+
+
 def test_keep_last_by_step_never_removing_the_one_just_committed(tmp_path):
     store = saved_store(tmp_path, [5, 10, 100, 20], keep_last=2)  # out of order: newest is the highest step
     assert step_dirs(tmp_path / "run" / "snapshot.pt.dcp") == ["step000000020", "step000000100"]
@@ -231,6 +242,8 @@ def fsdp_run(tmp_path_factory):
 def test_fsdp_snapshot_loads_back_bit_identical_on_2_ranks(fsdp_run):
     path, saved, loaded = fsdp_run
     assert step_dirs(path.parent / "snapshot.pt.dcp") == ["step000000002", "step000000003"]
+    marker = json.loads((path.parent / "snapshot.pt.dcp" / "step000000003" / MARKER).read_text())
+    assert marker["world_size"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= set(marker["files"])
     assert loaded["meta"]["train_state"]["step"] == 3 and loaded["meta"]["world_size"] == 2
     assert_same_states(saved, loaded)
 
