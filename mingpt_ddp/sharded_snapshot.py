@@ -367,8 +367,9 @@ class ShardedSnapshotStore:
         except ValueError as exc:
             raise CorruptShardedSnapshot(f"{where}: unreadable commit marker ({exc})") from None
         files = marker.get("files") if isinstance(marker, dict) else None
-        if (marker.get("format") != MARKER_FORMAT or not isinstance(files, dict) or META not in files
+        if (not isinstance(files, dict) or marker.get("format") != MARKER_FORMAT or META not in files
                 or ".metadata" not in files
+                or not all("/" not in name and name not in (".", "..") for name in files)  # names in this directory
                 or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
                            for v in files.values())):
             raise CorruptShardedSnapshot(f"{where}: malformed commit marker")
@@ -405,7 +406,10 @@ class ShardedSnapshotStore:
     def _read_meta(self, directory: str, marker: dict[str, Any]) -> dict[str, Any]:
         where = self.display(directory)
         self.fs.invalidate_cache(directory)
-        blob = self.fs.cat_file(f"{directory}/{META}")
+        try:
+            blob = self.fs.cat_file(f"{directory}/{META}")
+        except FileNotFoundError:
+            raise CorruptShardedSnapshot(f"{where}: {META} is missing") from None
         if len(blob) != marker["files"][META]["size"] or hashlib.sha256(blob).hexdigest() != marker["files"][META]["sha256"]:
             raise CorruptShardedSnapshot(f"{where}: checksum mismatch in {META} (modified or damaged)")
         try:

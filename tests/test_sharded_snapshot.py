@@ -104,7 +104,7 @@ def test_an_unfinished_directory_is_never_loaded_and_a_later_save_removes_it(tmp
     assert step_dirs(root) == ["step000000001", "step000000003"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "meta missing"])
 def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(tmp_path, caplog, damage):
     store = saved_store(tmp_path, [1, 2])
     shard = tmp_path / "run" / "snapshot.pt.dcp" / "step000000002" / "__0_0.distcp"
@@ -114,8 +114,10 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
         shard.write_bytes(bytes(blob))
     elif damage == "truncate":
         shard.write_bytes(bytes(blob[:-10]))
-    else:
+    elif damage == "missing":
         shard.unlink()
+    else:
+        (shard.parent / META).unlink()
     with caplog.at_level(logging.WARNING):
         model, meta = load_full_model_state(store.url)
     assert meta["train_state"]["step"] == 1 and torch.equal(model["w"], state(1)["model"]["w"])
@@ -129,13 +131,15 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
     assert torch.equal(target["model"]["w"], state(1)["model"]["w"])
     names = step_dirs(tmp_path / "run" / "snapshot.pt.dcp")
     assert names[0] == "step000000001" and names[1].startswith("step000000002.corrupt")  # never deleted
-    expected = {"flip": "checksum mismatch", "truncate": "truncated", "missing": "missing"}[damage]
+    expected = {"flip": "checksum mismatch", "truncate": "truncated", "missing": "__0_0.distcp is missing",
+                "meta missing": f"{META} is missing"}[damage]
     assert expected in caplog.text
 
 
-def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(tmp_path):
+@pytest.mark.parametrize("marker", ["{not json", "[1, 2]", '{"format": 1, "step": 1, "files": {"../../x": {}}}'])
+def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(tmp_path, marker):
     store = saved_store(tmp_path, [1])
-    (tmp_path / "run" / "snapshot.pt.dcp" / "step000000001" / MARKER).write_text("{not json")
+    (tmp_path / "run" / "snapshot.pt.dcp" / "step000000001" / MARKER).write_text(marker)
     with pytest.raises(ConfigError, match="no usable sharded snapshot"):
         store.latest_meta()
     with pytest.raises(ConfigError, match="no usable sharded snapshot"):
