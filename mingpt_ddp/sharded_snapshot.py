@@ -668,6 +668,8 @@ class ShardedSnapshotStore:
         marker = {"format": MARKER_FORMAT, "step": step, "world_size": world_size, "files": files}
         try:
             self._write_whole(f"{directory}/{MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())
+            if self.is_local:  # the step directory's own entry, before retention removes older ones
+                storage.fsync_dir(self.root)
         except Exception as exc:
             return f"committing sharded snapshot {where} failed: {storage.describe(exc)}", storage.is_transient(exc)
         log.info("saved sharded snapshot %s (step %d)", where, step)
