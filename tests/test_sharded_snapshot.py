@@ -192,7 +192,9 @@ def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     assert torch.equal(model["w"], state(5)["model"]["w"])
 
 
-def test_s3_round_trip_in_one_process(seaweedfs):
+@pytest.mark.parametrize("server", ["seaweedfs", "moto_s3"])
+def test_s3_round_trip_in_one_process(request, server):
+    seaweedfs = request.getfixturevalue(server)  # DCP's fsspec reader and writer on both servers
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)
     url = f"s3://{bucket}/runs/a/snapshot.pt"
