@@ -194,22 +194,22 @@ def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
 
 @pytest.mark.parametrize("server", ["seaweedfs", "moto_s3"])
 def test_s3_round_trip_in_one_process(request, server):
-    seaweedfs = request.getfixturevalue(server)  # DCP's fsspec reader and writer on both servers
+    s3 = request.getfixturevalue(server)  # DCP's fsspec reader and writer on both servers
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
-    seaweedfs.make_bucket(bucket)
+    s3.make_bucket(bucket)
     url = f"s3://{bucket}/runs/a/snapshot.pt"
-    store = ShardedSnapshotStore(url, keep_last=2, storage_options=s3_options(seaweedfs))
+    store = ShardedSnapshotStore(url, keep_last=2, storage_options=s3_options(s3))
     store.check_writable()
     for step in (1, 2, 3):
         assert store.save(step, state(step), {"train_state": {"step": step}}) is None
-    keys = sorted(o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=bucket).get("Contents", []))
+    keys = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
     assert {k.split("/")[3] for k in keys} == {"step000000002", "step000000003"}
     assert f"runs/a/snapshot.pt.dcp/step000000003/{MARKER}" in keys
     target = empty()
     meta, where = store.load_latest(target)
     assert where == f"s3://{bucket}/runs/a/snapshot.pt.dcp/step000000003" and meta["train_state"]["step"] == 3
     assert torch.equal(target["model"]["b"], state(3)["model"]["b"])
-    model, meta = load_full_model_state(url, s3_options(seaweedfs))
+    model, meta = load_full_model_state(url, s3_options(s3))
     assert torch.equal(model["w"], state(3)["model"]["w"])
 
 
