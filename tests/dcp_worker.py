@@ -11,7 +11,8 @@ or loads from, a ShardedSnapshotStore.
         save, then load (one process group for both).
 
 Storage options come as JSON in DCP_TEST_STORAGE_OPTIONS; DCP_TEST_KEEP_LAST sets keep_last;
-DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save.
+DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save;
+DCP_TEST_FAIL_RANK_AT_STEP=<rank>:<step> makes that rank fail (alone) after writing that step's shards.
 """
 import copy
 import json
@@ -75,6 +76,10 @@ def main() -> None:
                     "rng": [torch.get_rng_state()] * dist.get_world_size()}
             if step == int(delay_step):
                 os.environ[COMMIT_DELAY_ENV] = delay
+            if f"{rank}:{step}" == os.environ.get("DCP_TEST_FAIL_RANK_AT_STEP"):
+                def cannot_list(*args, **kwargs):
+                    raise PermissionError("injected: this rank cannot list its files")
+                store._files_of_rank = cannot_list
             handle = store.save_async(step, {"model": msd, "optimizer": osd}, meta)
             # Training goes on while the save is written: the snapshot must hold the staged
             # state, not the live one, and the loop's collectives must not mix with the save's.
@@ -82,6 +87,7 @@ def main() -> None:
             error = handle.wait()
             if error is not None:
                 print(f"rank {rank}: save failed: {error}", flush=True)
+                shutdown(clean=True)
                 sys.exit(3)
             print(f"rank {rank}: committed step {step}", flush=True)
         assert store.close() is None

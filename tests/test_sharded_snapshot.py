@@ -329,6 +329,20 @@ def test_rank0_killed_between_the_shards_and_the_commit_leaves_the_previous_snap
 
 
 @pytest.mark.slow
+def test_a_save_failing_on_one_rank_is_not_committed_and_every_rank_hears_why(tmp_path):
+    path = tmp_path / "run" / "snapshot.pt"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", WORKER, "save", str(path), str(tmp_path), "1", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "DCP_TEST_FAIL_RANK_AT_STEP": "1:2"})
+    text = proc.stdout + proc.stderr
+    errors = {line.split(": save failed: ", 1)[1] for line in text.splitlines() if ": save failed: " in line}
+    assert proc.returncode != 0 and len(errors) == 1, text  # the same answer on both ranks
+    assert "rank 1: hashing its files failed: PermissionError" in errors.pop()
+    assert "rank 0: save failed" in text and "rank 1: save failed" in text
+    assert [Path(c).name for c in ShardedSnapshotStore(str(path)).candidates()] == ["step000000001"]
+
+
+@pytest.mark.slow
 def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)
