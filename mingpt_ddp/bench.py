@@ -4,7 +4,7 @@
     python -m mingpt_ddp.bench train model=gpt-micro data.block_size=64 trainer.batch_size=12
     python -m mingpt_ddp.bench data data.block_size=256 trainer.batch_size=16
     python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
-    python -m mingpt_ddp.bench precision model=gpt-mini              # fp32 vs bf16, auto's choice
+    python -m mingpt_ddp.bench precision models=all                 # fp32 vs bf16, auto's choice
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
@@ -24,7 +24,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
   comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
   precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
-            what trainer.precision=auto decides for this model
+            what trainer.precision=auto decides; models=gpt-nano,experiment=char_cpu_fast,...
+            (one row each; `all`: the five presets and the fast CPU recipe)
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -64,7 +65,7 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
-    "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None,
+    "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
 }
 
 
@@ -647,27 +648,42 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
             "other_cpu_busy": noise.fraction()}
 
 
+PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast")
+
+
 def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """What `trainer.precision=auto` decides for this model on this CPU, and the fp32/bf16
-    forward+backward times behind it, at the configured batch (auto's own probe uses at
-    most 8 sequences), measured afresh (the cache is neither read nor written)."""
+    """What `trainer.precision=auto` decides on this CPU, and the fp32/bf16 forward+backward
+    times behind it, at the configured batch (auto's own probe too, capped at precision.PROBE_FLOPS per pass),
+    measured afresh (the cache is neither read nor written). `models=` takes presets and
+    experiments (comma-separated; `all`: the five presets and the fast CPU recipe) for one
+    row each, with how much slower auto's choice is than the faster of the two."""
     from mingpt_ddp import precision
 
-    cfg = compose([*overrides, "trainer.precision=fp32"])
     if dist.device.type != "cpu":
         raise ConfigError("bench precision measures CPUs: on GPUs `auto` is bf16 with native bf16, else fp16")
-    model = build_trainer(cfg, dist).model
-    batch, block = cfg.trainer.batch_size, cfg.data.block_size
+    models = options["models"]
+    entries = PRECISION_TABLE if models == "all" else (models.split(",") if models else [None])
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
     steps = int(options["steps"] or 3)
-    seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
-    with tempfile.TemporaryDirectory() as scratch:
-        choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
-    rows = [{"precision": name, "ms_per_pass": 1000 * s, "tokens_per_s": batch * block / s,
-             "vs_fp32": seconds["fp32"] / s} for name, s in seconds.items()]
-    return {"model": dict(_container(cfg.model)), "batch_size": batch, "block_size": block, "rows": rows,
-            "auto_choice": choice, "faster": min(seconds, key=seconds.get), "other_cpu_busy": noise.fraction()}
+    rows = []
+    for entry in entries:
+        chosen = [] if entry is None else [entry if "=" in entry else f"model={entry}"]
+        cfg = compose([*overrides, *chosen, "trainer.precision=fp32"])
+        model = build_trainer(cfg, dist).model
+        batch, block = cfg.trainer.batch_size, cfg.data.block_size
+        seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
+        with tempfile.TemporaryDirectory() as scratch:
+            choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
+        faster = min(seconds, key=seconds.get)
+        rows.append({"config": entry or "as configured", "model": dict(_container(cfg.model)),
+                     "parameters": model.num_params(non_embedding=False), "batch_size": batch, "block_size": block,
+                     "fp32_tokens_per_s": batch * block / seconds["fp32"],
+                     "bf16_tokens_per_s": batch * block / seconds["bf16"],
+                     "bf16_vs_fp32": seconds["fp32"] / seconds["bf16"], "faster": faster, "auto_choice": choice,
+                     "auto_slower_pct": 100 * (seconds[choice] / seconds[faster] - 1)})
+        del model
+    return {"rows": rows, "other_cpu_busy": noise.fraction()}
 
 
 def _container(node) -> dict[str, Any]:
@@ -719,13 +735,14 @@ def report(mode: str, result: dict[str, Any]) -> None:
                     ["", "parameters MiB", "gradients MiB", "optimizer MiB", "total MiB"],
                     [[name, *values] for name, values in mib.items()])
     elif mode == "precision":
-        m = result["model"]
-        print_table(f"precision: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch "
-                    f"{result['batch_size']}, forward+backward: {where}{noise}",
-                    ["precision", "ms/pass", "tokens/s", "x fp32"],
-                    [[r["precision"], r["ms_per_pass"], r["tokens_per_s"], r["vs_fp32"]] for r in result["rows"]])
-        print(f"auto chooses {result['auto_choice']} (its own probe, at most 8 sequences); faster here: "
-              f"{result['faster']}")
+        print_table(f"precision, forward+backward at each config's batch: {where}{noise}",
+                    ["config", "layers/dim", "batch x block", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "faster",
+                     "auto", "auto slower %"],
+                    [[r["config"], f"{r['model']['n_layer']}L/{r['model']['n_embd']}d",
+                      f"{r['batch_size']}x{r['block_size']}", r["fp32_tokens_per_s"], r["bf16_tokens_per_s"],
+                      r["bf16_vs_fp32"], r["faster"], r["auto_choice"], r["auto_slower_pct"]] for r in result["rows"]])
+        print("auto: its own probe (the micro-batch, fewer sequences on costly models; cached per CPU, torch, threads and model shape); "
+              "'auto slower %': its choice's time over the faster one's at the batch above")
     elif mode == "data":
         print_table(
             f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "

@@ -99,6 +99,15 @@ def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
     return best
 
 
+PROBE_FLOPS = 1.5e11  # training FLOPs per probe pass: about 1 s in fp32 on 2 cores of a current server
+
+
+def probe_batch_size(model: torch.nn.Module, batch_size: int, block_size: int) -> int:
+    """Sequences per probe pass: the real micro-batch, capped at PROBE_FLOPS."""
+    per_sequence = model.flops_per_token(block_size) * block_size
+    return max(1, min(batch_size, int(PROBE_FLOPS // per_sequence)))
+
+
 def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int,
                         cache_file: Optional[str] = None,
                         measure: Callable[[torch.nn.Module, str, int, int], float] = step_seconds) -> str:
@@ -106,9 +115,12 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
 
     bf16 autocast is several times faster than fp32 with AMX, about 2x with AVX512-BF16 on
     wide layers, and slower than fp32 on small ones or without bf16 instructions: no CPU flag
-    tells which, so time it. The probe uses up to 8 sequences of the real shape (seconds for
-    the presets), and the answer is cached per CPU, torch version, thread count and model
-    shape, so later runs start at once. bf16 must be at least 5% faster to be chosen.
+    tells which, so time it. The probe runs the real micro-batch where a pass is cheap (bf16's
+    gain grows with the rows a matmul sees, so fewer sequences would understate it on small
+    models) and fewer sequences on models whose pass is costly (their matmuls are wide
+    anyway): at most PROBE_FLOPS per pass, a second or two of probing on any preset. The
+    answer is cached per CPU, torch version, thread count and model shape, so later runs
+    start at once. bf16 must be at least 5% faster to be chosen.
     """
     cfg = model.cfg
     key = "|".join(map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), cfg.n_layer, cfg.n_head,
@@ -121,7 +133,7 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
         log.info("precision auto: %s (cached measurement for this CPU and model: fp32 %.1f ms, bf16 %.1f ms per "
                  "pass; %s)", entry["choice"], entry["fp32_ms"], entry["bf16_ms"], path)
         return entry["choice"]
-    probe_batch = min(batch_size, 8)
+    probe_batch = probe_batch_size(model, batch_size, block_size)
     seconds = {"fp32": float("inf"), "bf16": float("inf")}
     for _ in range(2):  # alternated, best of each: other load on the cores drifts over seconds
         for name in seconds:

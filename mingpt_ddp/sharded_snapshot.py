@@ -1,5 +1,13 @@
 """Sharded snapshots of FSDP runs through torch.distributed.checkpoint (DCP).
 
+API beyond the agreed one (issue 17): ``load()`` returns the snapshot's meta;
+``load_latest(sharded)`` (collective) finds, verifies and loads the newest usable snapshot,
+falling back past damaged ones; ``verify(where)``; ``save()`` (save_async + wait);
+``wait()`` / ``close()`` (call close() before destroying the process group);
+``save_retry_minutes`` and ``collective_timeout_minutes`` (constructor). A newer
+``save_async`` supersedes a save that is waiting to be retried, so call it without
+waiting for the previous handle first.
+
 Layout next to ``trainer.snapshot_path`` (``.../snapshot.pt``)::
 
     snapshot.pt.dcp/step000000420/
@@ -35,6 +43,7 @@ shards are written and before the marker (tests kill it there).
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -43,6 +52,7 @@ import os
 import pickle
 import re
 import threading
+from contextlib import contextmanager
 import time
 import uuid
 from typing import Any, Mapping, Optional
@@ -51,6 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
@@ -71,16 +82,18 @@ _STEP_DIR = re.compile(r"^step(\d+)$")
 _HASH_CHUNK = 8 << 20
 
 
-class CorruptShardedSnapshot(Exception):
-    """A committed snapshot directory whose files fail the marker's sizes or checksums."""
+class CorruptShardedSnapshot(ConfigError):
+    """A committed snapshot directory whose files fail the marker's sizes or checksums (a
+    ConfigError: if it reaches the user, it is one line saying which file)."""
 
 
 # ---- safe unpickling of what DCP pickles --------------------------------------------------
-_SAFE_MODULE_PREFIXES = ("torch.distributed.checkpoint.metadata",)
+_SAFE_MODULES = {"torch.distributed.checkpoint.metadata"}
 _SAFE_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
     ("collections", "OrderedDict"),
     ("builtins", "set"),
     ("builtins", "frozenset"),
@@ -88,6 +101,7 @@ _SAFE_GLOBALS = {
     ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"),
     ("pathlib", "PureWindowsPath"),
+    ("pathlib._local", "PosixPath"),  # Python 3.13+
 }
 
 
@@ -98,9 +112,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) in _SAFE_GLOBALS or (module.startswith(_SAFE_MODULE_PREFIXES) and not name.startswith("__")):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module in _SAFE_MODULES and not name.startswith("_"):  # its own dataclasses and enums only
             found = super().find_class(module, name)
-            if isinstance(found, type) or (module, name) in _SAFE_GLOBALS:
+            if isinstance(found, type) and found.__module__ == module:
                 return found
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from a snapshot's DCP metadata")
 
@@ -133,6 +149,59 @@ class _SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
 
 class _SafeEmptyStateDictLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
     pass
+
+
+class _HashingStream:
+    """A written file, hashed on the way (DCP writes its shard files front to back); a seek
+    voids the hash and the file is read back instead."""
+
+    def __init__(self, stream):
+        self._stream, self.sha, self.size, self.sequential = stream, hashlib.sha256(), 0, True
+
+    def write(self, data) -> int:
+        written = self._stream.write(data)
+        view = memoryview(data).cast("B")
+        self.sha.update(view[: len(view) if written is None else written])
+        self.size += len(view) if written is None else written
+        return written
+
+    def seek(self, *args):
+        self.sequential = False
+        return self._stream.seek(*args)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+class _HashingFileSystem(_FsspecFileSystem):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256) as written
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashing = _HashingStream(stream)
+            yield hashing
+        if hashing.sequential:
+            self.written[os.fspath(path).rsplit("/", 1)[-1]] = (hashing.size, hashing.sha.hexdigest())
+
+
+class _HashingWriter(FsspecWriter):
+    """DCP's fsspec writer, keeping the size and sha256 of each file as it writes it, so a
+    rank need not read its shards back (from S3) to put them in the commit marker."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.fs = _HashingFileSystem()
+        self.path = self.fs.init_path(path, **{k: v for k, v in kwargs.items() if k not in _WRITER_ARGS})
+
+
+_WRITER_ARGS = {"single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead", "overwrite",
+                "_extensions", "serialization_format"}
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -181,6 +250,7 @@ class SaveHandle:
         self.step = step
         self.directory = directory
         self._error: Optional[str] = None
+        self.superseded = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
     def _run(self, target) -> None:
@@ -208,12 +278,19 @@ class ShardedSnapshotStore:
     """Sharded (DCP) snapshots of one run: ``<snapshot_path>.dcp/step000000420/`` directories.
 
     `path` is the run's ``trainer.snapshot_path`` (a local path or any fsspec URL);
-    `storage_options` go to fsspec (and to DCP's fsspec reader and writer).
+    `storage_options` go to fsspec (and to DCP's fsspec reader and writer). Reading a remote
+    store retries transient failures for `retry_minutes` (then a ConfigError); a save that
+    fails transiently is retried in the background for `save_retry_minutes` (then its
+    handle's wait() returns the error, on every rank). The saves' own gloo group gives up
+    waiting for a rank after `collective_timeout_minutes` (default: torch's).
     """
 
     def __init__(self, path: str, keep_last: int = 2, storage_options: Optional[Mapping[str, Any]] = None,
-                 retry_minutes: float = 2.0):
+                 retry_minutes: float = 2.0, save_retry_minutes: float = 15.0,
+                 collective_timeout_minutes: Optional[float] = None):
         self.url = path
+        self.collective_timeout_minutes = collective_timeout_minutes
+        self.save_retry_minutes = save_retry_minutes
         self.storage_options = dict(storage_options or {})
         self.keep_last = max(1, keep_last)
         self._files = SnapshotStore(path, keep_last, storage_options, retry_minutes)  # check_writable, hints
@@ -272,7 +349,7 @@ class ShardedSnapshotStore:
     def _retrying(self, fn, what: str):
         try:
             return storage.retry_transient(fn, f"{what} at {self.url}", self.retry_minutes)
-        except (ConfigError, CorruptShardedSnapshot):
+        except ConfigError:  # CorruptShardedSnapshot included
             raise
         except Exception as exc:
             raise ConfigError(f"cannot read sharded snapshots at {self.url} ({storage.describe(exc)})"
@@ -282,6 +359,7 @@ class ShardedSnapshotStore:
         """The commit marker of `directory` (display or in-store form), checked for shape."""
         directory = self._in_fs(directory)
         where = self.display(directory)
+        self.fs.invalidate_cache(directory)  # s3fs sizes files from its listing cache before reading
         try:
             marker = json.loads(self.fs.cat_file(f"{directory}/{MARKER}"))
         except FileNotFoundError:
@@ -289,8 +367,9 @@ class ShardedSnapshotStore:
         except ValueError as exc:
             raise CorruptShardedSnapshot(f"{where}: unreadable commit marker ({exc})") from None
         files = marker.get("files") if isinstance(marker, dict) else None
-        if (marker.get("format") != MARKER_FORMAT or not isinstance(files, dict) or META not in files
+        if (not isinstance(files, dict) or marker.get("format") != MARKER_FORMAT or META not in files
                 or ".metadata" not in files
+                or not all("/" not in name and name not in (".", "..") for name in files)  # names in this directory
                 or not all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
                            for v in files.values())):
             raise CorruptShardedSnapshot(f"{where}: malformed commit marker")
@@ -312,6 +391,7 @@ class ShardedSnapshotStore:
 
     def _check_checksums(self, directory: str, names: list[str], marker: dict[str, Any]) -> None:
         where = self.display(directory)
+        self.fs.invalidate_cache(directory)
         for name in names:
             try:
                 size, digest = _sha256_of(self.fs, f"{directory}/{name}")
@@ -325,7 +405,11 @@ class ShardedSnapshotStore:
 
     def _read_meta(self, directory: str, marker: dict[str, Any]) -> dict[str, Any]:
         where = self.display(directory)
-        blob = self.fs.cat_file(f"{directory}/{META}")
+        self.fs.invalidate_cache(directory)
+        try:
+            blob = self.fs.cat_file(f"{directory}/{META}")
+        except FileNotFoundError:
+            raise CorruptShardedSnapshot(f"{where}: {META} is missing") from None
         if len(blob) != marker["files"][META]["size"] or hashlib.sha256(blob).hexdigest() != marker["files"][META]["sha256"]:
             raise CorruptShardedSnapshot(f"{where}: checksum mismatch in {META} (modified or damaged)")
         try:
@@ -337,7 +421,8 @@ class ShardedSnapshotStore:
     def latest_meta(self) -> Optional[tuple[dict[str, Any], str]]:
         """(meta, directory) of the newest committed snapshot whose marker, file sizes and
         meta.pt checksum are right; None when there is none. The shards' checksums are
-        verified by load(). Every committed snapshot damaged: a ConfigError."""
+        verified by load(). Every committed snapshot damaged: a ConfigError. Not collective:
+        where all ranks must take the same decision, use load_latest (or broadcast this)."""
         def find() -> Optional[tuple[dict[str, Any], str]]:
             problems = []
             for _, directory in self._committed():
@@ -362,49 +447,72 @@ class ShardedSnapshotStore:
                               + ". Move these directories away to start from scratch, or set trainer.snapshot_path"
                               " elsewhere")
 
-    def verify(self, where: str, process_group=None) -> None:
+    def verify(self, where: str, process_group=None) -> dict[str, Any]:
         """Collective: every file of `where` against the marker's sizes and sha256, the files
-        split over the ranks (each read once in all). Raises CorruptShardedSnapshot on every
-        rank if any rank found a problem."""
+        split over the ranks (each read once in all); the snapshot's meta. Every rank raises
+        the same: CorruptShardedSnapshot if any rank found damage, a ConfigError if a rank
+        could not read the store (after retrying for `retry_minutes`)."""
         directory = self._in_fs(where)
+        where = self.display(directory)
         rank, size = _group_rank(process_group), _group_size(process_group)
-        problem = None
-        try:
-            marker = self.read_marker(directory)
-            names = sorted(marker["files"])
-            self._check_checksums(directory, names[rank::size], marker)
-        except CorruptShardedSnapshot as exc:
-            problem = str(exc)
-        except Exception as exc:
-            problem = f"{self.display(directory)}: cannot be read ({storage.describe(exc)})"
-        problems = [p for p in _agree(process_group, problem) if p]
-        if problems:
-            raise CorruptShardedSnapshot(problems[0])
 
-    def load(self, where: str, sharded: dict[str, Any], process_group=None) -> None:
+        def my_part() -> tuple[Optional[dict[str, Any]], Optional[str]]:
+            try:
+                marker = self.read_marker(directory)
+                meta = self._read_meta(directory, marker)
+                self._check_checksums(directory, sorted(marker["files"])[rank::size], marker)
+                return meta, None
+            except CorruptShardedSnapshot as exc:  # returned, not raised: damage is not retried
+                return None, str(exc)
+
+        meta, outcome = None, (None, "")
+        try:
+            meta, damage = storage.retry_transient(my_part, f"verifying {where}", self.retry_minutes)
+            if damage:
+                outcome = (damage, "damaged")
+        except Exception as exc:
+            outcome = (f"cannot read sharded snapshot {where} ({storage.describe(exc)})"
+                       f"{self._files._hint(exc, 'read')}", "unreadable")
+        outcomes = _agree(process_group, outcome)
+        for kind, error in (("unreadable", ConfigError), ("damaged", CorruptShardedSnapshot)):
+            found = [text for text, k in outcomes if k == kind]
+            if found:
+                raise error(found[0])
+        return meta
+
+    def load(self, where: str, sharded: dict[str, Any], process_group=None) -> dict[str, Any]:
         """Collective: DCP-load the snapshot at `where` (from latest_meta/candidates) in place
-        into `sharded` (this world size's sharded state dicts; DCP reshards), after checking
-        every file's checksum. Raises CorruptShardedSnapshot (on every rank) if one is off."""
-        self.verify(where, process_group)
+        into `sharded` (this world size's sharded state dicts; DCP reshards), after verify();
+        its meta. Raises as verify() does, and a ConfigError (on every rank) if DCP cannot load
+        it into `sharded` (another model's snapshot)."""
+        try:
+            return self._load(where, sharded, process_group)
+        except CorruptShardedSnapshot as exc:
+            raise CorruptShardedSnapshot(f"{exc}. Move that directory away to resume from the previous snapshot, "
+                                         "or set trainer.snapshot_path elsewhere") from None
+
+    def _load(self, where: str, sharded: dict[str, Any], process_group=None) -> dict[str, Any]:
+        meta = self.verify(where, process_group)
         try:
             dcp.load(sharded, storage_reader=self._reader(self._in_fs(where)), planner=_SafeLoadPlanner(),
                      process_group=process_group)
         except (Exception, CheckpointException) as exc:  # checksums matched: another model's, or crafted
-            raise ConfigError(_unloadable(where, exc)) from None
+            raise ConfigError(_unloadable(self.display(self._in_fs(where)), exc)) from None
+        return meta
 
     def load_latest(self, sharded: dict[str, Any], process_group=None) -> Optional[tuple[dict[str, Any], str]]:
         """Collective: load the newest snapshot that passes every check into `sharded`;
         (meta, where), or None when there is none. Damaged ones are skipped with a warning
-        (and moved aside by rank 0 where renaming is cheap); all damaged: a ConfigError."""
+        (and moved aside by rank 0 where renaming is cheap); all damaged: a ConfigError.
+        Rank 0's listing is used by every rank, so all ranks try the same snapshots."""
         rank = _group_rank(process_group)
-        listed = _from_rank0(process_group, [d for _, d in self._committed()] if rank == 0 else None)
+        listed = _from_rank0(process_group, self._retrying(lambda: [d for _, d in self._committed()],
+                                                           "listing sharded snapshots") if rank == 0 else None)
         problems = []
         for directory in listed:
             where = self.display(directory)
             try:
-                meta = self._read_meta(directory, self.read_marker(directory))
-                self.load(where, sharded, process_group)
-                return meta, where
+                return self._load(where, sharded, process_group), where
             except CorruptShardedSnapshot as exc:
                 log.warning("skipping unusable sharded snapshot %s", exc)
                 problems.append(str(exc))
@@ -420,7 +528,9 @@ class ShardedSnapshotStore:
     def _save_group(self):
         """A gloo group of its own for the background thread (collective on first use)."""
         if self._group is None and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo")
+            minutes = self.collective_timeout_minutes
+            self._group = dist.new_group(backend="gloo", timeout=None if minutes is None else
+                                         datetime.timedelta(minutes=minutes))
         return self._group
 
     def _stage(self, sharded: dict[str, Any]) -> dict[str, Any]:
@@ -438,6 +548,7 @@ class ShardedSnapshotStore:
         save first. `process_group`: a group with a CPU backend that nothing else uses
         meanwhile (default: one gloo group this store creates)."""
         if self._inflight is not None:
+            self._inflight.superseded.set()  # a save waiting to be retried gives way to this newer one
             self._inflight.wait()
         group = process_group if process_group is not None else self._save_group()
         rank = _group_rank(group)
@@ -449,7 +560,7 @@ class ShardedSnapshotStore:
         staged = self._stage(sharded)
         directory = self.step_dir(step)
         handle = SaveHandle(step, self.display(directory))
-        handle._run(lambda: self._save(step, directory, staged, meta_blob, group))
+        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle.superseded))
         self._inflight = handle
         return handle
 
@@ -461,47 +572,92 @@ class ShardedSnapshotStore:
         """Wait for the save in flight, if any; its error or None."""
         return self._inflight.wait() if self._inflight is not None else None
 
-    def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group) -> Optional[str]:
+    def close(self) -> Optional[str]:
+        """Wait for the save in flight and free the staging buffers; before the process
+        group is destroyed (the save's collectives use it). Its error or None."""
+        error = self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        return error
+
+    def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group,
+              superseded: threading.Event) -> Optional[str]:
+        """Attempt the save until it is committed, fails for good, or has failed for
+        `save_retry_minutes`; every rank takes the same decisions (each attempt's outcome is
+        agreed), so their collectives stay in step. A newer save_async on any rank ends the
+        retries: the newer snapshot replaces this one."""
+        where = self.display(directory)
+        started = time.monotonic()
+        for attempt, delay in enumerate(storage.backoff_delays(first=1.0, cap=60.0), start=1):
+            error, transient = self._save_once(step, directory, staged, meta_blob, group)
+            if error is None:
+                if attempt > 1:
+                    log.warning("saving sharded snapshot %s worked after %d failed attempts", where, attempt - 1)
+                return None
+            elapsed = time.monotonic() - started
+            if not transient or elapsed + delay > 60 * self.save_retry_minutes:
+                if transient:
+                    error += (f" (failing for {elapsed:.0f}s, {attempt} attempts; "
+                              f"trainer.save_retry_minutes={self.save_retry_minutes:g})")
+                return error
+            log.warning("%s; retrying in %.0fs while training goes on", error, delay)
+            superseded.wait(delay)
+            if any(_agree(group, superseded.is_set())):
+                log.warning("sharded snapshot %s was not saved; a newer one replaces it", where)
+                return None
+        raise AssertionError("unreachable")
+
+    def _save_once(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes],
+                   group) -> tuple[Optional[str], bool]:
+        """One attempt: (error, worth retrying), the same on every rank."""
         rank = _group_rank(group)
         where = self.display(directory)
         # 1. rank 0 clears what an earlier attempt left at this step and writes meta.pt.
-        problem = None
+        outcome: tuple[Optional[str], bool] = (None, False)
         if rank == 0:
             try:
                 self._clear_for_save(directory)
                 self._write_whole(f"{directory}/{META}", meta_blob)
             except Exception as exc:
-                problem = f"preparing {where} failed: {storage.describe(exc)}"
-        problem = _from_rank0(group, problem)
-        if problem:
-            return problem
-        # 2. every rank writes its shards; DCP raises on every rank if any rank failed.
+                outcome = (f"preparing sharded snapshot {where} failed: {storage.describe(exc)}",
+                           storage.is_transient(exc))
+        outcome = _from_rank0(group, outcome)
+        if outcome[0]:
+            return outcome
+        # 2. every rank writes its shards; DCP raises the same exception on every rank if any failed.
+        writer = self._writer(directory)
         try:
-            dcp.save(staged, storage_writer=self._writer(directory), process_group=group)
-        except (Exception, CheckpointException) as exc:  # (a BaseException; raised on every rank)
-            return f"writing sharded snapshot {where} failed: {_why(exc)}"
-        # 3. every rank hashes its own files; rank 0 commits once it has them all.
+            dcp.save(staged, storage_writer=writer, process_group=group)
+        except (Exception, CheckpointException) as exc:  # (CheckpointException is a BaseException)
+            return f"writing sharded snapshot {where} failed: {_why(exc)}", _transient(exc)
+        # 3. every rank lists its own files (hashed as written when the stored size agrees,
+        #    else read back); rank 0 commits once it has them all.
         hashed: dict[str, Any] = {}
         try:
-            names = self._files_of_rank(directory, rank)
+            stored = self._files_of_rank(directory, rank)
             if rank == 0:
-                names += [".metadata", META]
-            for name in names:
-                size, digest = _sha256_of(self.fs, f"{directory}/{name}")
+                stored.update({name: None for name in (".metadata", META)})
+            for name, stored_size in stored.items():
+                size, digest = writer.fs.written.get(name, (None, None))
+                if size is None or size != stored_size:
+                    size, digest = _sha256_of(self.fs, f"{directory}/{name}")
                 hashed[name] = {"size": size, "sha256": digest}
         except Exception as exc:
-            hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}"}
+            hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}",
+                      "transient": storage.is_transient(exc)}
         everyone = _agree(group, hashed)
-        result = None
         if rank == 0:
-            result = self._commit(step, directory, everyone, _group_size(group))
-        return _from_rank0(group, result)
+            outcome = self._commit(step, directory, everyone, _group_size(group))
+        return _from_rank0(group, outcome)
 
-    def _commit(self, step: int, directory: str, everyone: list[dict[str, Any]], world_size: int) -> Optional[str]:
+    def _commit(self, step: int, directory: str, everyone: list[dict[str, Any]],
+                world_size: int) -> tuple[Optional[str], bool]:
         where = self.display(directory)
-        errors = [h["error"] for h in everyone if "error" in h]
-        if errors:
-            return f"sharded snapshot {where} not committed: " + "; ".join(errors)
+        failed = [h for h in everyone if "error" in h]
+        if failed:
+            return (f"sharded snapshot {where} not committed: " + "; ".join(h["error"] for h in failed),
+                    all(h["transient"] for h in failed))
         files: dict[str, Any] = {}
         for h in everyone:
             files.update(h)
@@ -512,26 +668,30 @@ class ShardedSnapshotStore:
         marker = {"format": MARKER_FORMAT, "step": step, "world_size": world_size, "files": files}
         try:
             self._write_whole(f"{directory}/{MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())
+            if self.is_local:  # the step directory's own entry, before retention removes older ones
+                storage.fsync_dir(self.root)
         except Exception as exc:
-            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}"
+            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}", storage.is_transient(exc)
         log.info("saved sharded snapshot %s (step %d)", where, step)
         try:
             self._apply_retention(step)
         except Exception as exc:  # the snapshot is committed; the next save retries the cleanup
             log.warning("removing old sharded snapshots at %s failed (%s); will retry at the next save",
                         self.url, storage.describe(exc))
-        return None
+        return None, False
 
-    def _writer(self, directory: str) -> FsspecWriter:
+    def _writer(self, directory: str) -> _HashingWriter:
         # Object stores: a completed PUT is durable; fsync would fall back to a local os.sync().
-        return FsspecWriter(self._url(directory), sync_files=not self.is_object_store,
-                            **({} if self.is_local else self.storage_options))
+        return _HashingWriter(self._url(directory), sync_files=not self.is_object_store,
+                              **({} if self.is_local else self.storage_options))
 
-    def _files_of_rank(self, directory: str, rank: int) -> list[str]:
+    def _files_of_rank(self, directory: str, rank: int) -> dict[str, int]:
+        """{name: stored size} of the shard files `rank` wrote (DCP names them __<rank>_<n>)."""
         pattern = re.compile(rf"^__{rank}_\d+\.distcp$")
         self.fs.invalidate_cache(directory)
-        return sorted(n for n in (p.rsplit("/", 1)[-1] for p in self.fs.ls(directory, detail=False))
-                      if pattern.match(n))
+        entries = self.fs.ls(directory, detail=True)
+        return {name: entry.get("size") for entry in entries
+                if pattern.match(name := entry["name"].rstrip("/").rsplit("/", 1)[-1])}
 
     def _write_whole(self, path: str, blob: bytes) -> None:
         """`path` appears whole or not at all (atomic rename locally, one PUT on object stores)."""
@@ -608,6 +768,12 @@ def _why(exc: BaseException) -> str:
         rank, (inner, _) = sorted(exc.failures.items(), key=lambda item: item[0])[0]
         return f"rank {rank}: {storage.describe(inner)}"
     return storage.describe(exc)
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, CheckpointException):
+        return bool(exc.failures) and all(storage.is_transient(inner) for inner, _ in exc.failures.values())
+    return storage.is_transient(exc)
 
 
 def _unloadable(where: str, exc: BaseException) -> str:

@@ -7,9 +7,12 @@ or loads from, a ShardedSnapshotStore.
     dcp_worker.py load <snapshot_path> <out_dir>
         a differently initialised model loads the newest valid snapshot; rank 0 writes
         <out_dir>/loaded.pt (full states, the meta and where it came from).
+    dcp_worker.py roundtrip <snapshot_path> <out_dir> <step> [<step> ...]
+        save, then load (one process group for both).
 
 Storage options come as JSON in DCP_TEST_STORAGE_OPTIONS; DCP_TEST_KEEP_LAST sets keep_last;
-DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save.
+DCP_TEST_DELAY_AT_STEP=<step>:<seconds> turns on the store's commit-delay hook for that step's save;
+DCP_TEST_FAIL_RANK_AT_STEP=<rank>:<step> makes that rank fail (alone) after writing that step's shards.
 """
 import copy
 import json
@@ -21,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.fsdp import fully_shard
 
+from mingpt_ddp.distributed import shutdown
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, ShardedSnapshotStore
 
@@ -59,8 +63,8 @@ def main() -> None:
     delay_step, _, delay = os.environ.get("DCP_TEST_DELAY_AT_STEP", "-1:0").partition(":")
     options = json.loads(os.environ.get("DCP_TEST_STORAGE_OPTIONS", "{}"))
     store = ShardedSnapshotStore(path, keep_last=int(os.environ.get("DCP_TEST_KEEP_LAST", "2")),
-                                 storage_options=options)
-    if action == "save":
+                                 storage_options=options, collective_timeout_minutes=5)
+    if action in ("save", "roundtrip"):
         store.check_writable()
         model, optimizer = build(seed=0)
         expected = None
@@ -72,6 +76,10 @@ def main() -> None:
                     "rng": [torch.get_rng_state()] * dist.get_world_size()}
             if step == int(delay_step):
                 os.environ[COMMIT_DELAY_ENV] = delay
+            if f"{rank}:{step}" == os.environ.get("DCP_TEST_FAIL_RANK_AT_STEP"):
+                def cannot_list(*args, **kwargs):
+                    raise PermissionError("injected: this rank cannot list its files")
+                store._files_of_rank = cannot_list
             handle = store.save_async(step, {"model": msd, "optimizer": osd}, meta)
             # Training goes on while the save is written: the snapshot must hold the staged
             # state, not the live one, and the loop's collectives must not mix with the save's.
@@ -79,11 +87,13 @@ def main() -> None:
             error = handle.wait()
             if error is not None:
                 print(f"rank {rank}: save failed: {error}", flush=True)
+                shutdown(clean=True)
                 sys.exit(3)
             print(f"rank {rank}: committed step {step}", flush=True)
+        assert store.close() is None
         if rank == 0:
             torch.save(expected, os.path.join(out, "saved.pt"))
-    elif action == "load":
+    if action in ("load", "roundtrip"):
         model, optimizer = build(seed=123)
         msd, osd = get_state_dict(model, optimizer)
         sharded = {"model": msd, "optimizer": osd}
@@ -96,8 +106,7 @@ def main() -> None:
         states = full_states(model, optimizer)
         if rank == 0:
             torch.save({**states, "meta": meta, "where": where}, os.path.join(out, "loaded.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown(clean=True)  # the project's ordered teardown (gloo can SIGABRT at interpreter exit otherwise)
 
 
 if __name__ == "__main__":

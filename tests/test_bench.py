@@ -159,9 +159,15 @@ def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
 
 
 def test_precision_reports_fp32_and_bf16_and_the_auto_choice(tmp_path, small_corpus):
-    stdout, r = run_bench(["precision", *TINY_TRAIN, f"data.path={small_corpus}", "steps=1"], tmp_path)
+    tiny = [o for o in TINY_TRAIN if not o.startswith("model=")]
+    stdout, r = run_bench(["precision", *tiny, f"data.path={small_corpus}", "steps=1",
+                           "models=gpt-nano,model.n_layer=1"], tmp_path)
     header, rows = table(stdout)
-    assert header.split() == ["precision", "ms/pass", "tokens/s", "x", "fp32"]
-    assert [row.split()[0] for row in rows][:2] == ["fp32", "bf16"]
-    assert [row["precision"] for row in r["rows"]] == ["fp32", "bf16"] and all(row["ms_per_pass"] > 0 for row in r["rows"])
-    assert r["auto_choice"] in ("fp32", "bf16") and f"auto chooses {r['auto_choice']}" in stdout
+    assert header.split()[:3] == ["config", "layers/dim", "batch"]
+    assert [row.split()[0] for row in rows][:2] == ["gpt-nano", "model.n_layer=1"]
+    assert [(row["model"]["n_layer"], row["model"]["n_embd"]) for row in r["rows"]] == [(3, 48), (1, 192)]
+    for row in r["rows"]:
+        assert row["fp32_tokens_per_s"] > 0 and row["bf16_tokens_per_s"] > 0
+        assert row["faster"] == ("bf16" if row["bf16_tokens_per_s"] > row["fp32_tokens_per_s"] else "fp32")
+        assert row["auto_choice"] in ("fp32", "bf16") and row["auto_slower_pct"] >= 0
+        assert (row["auto_slower_pct"] == 0) == (row["auto_choice"] == row["faster"])

@@ -25,11 +25,22 @@ def test_auto_picks_the_faster_precision_and_keeps_fp32_on_a_near_tie(tmp_path):
     model, calls = tiny_model(), []
     faster_bf16 = fake_measure({"fp32": 1.0, "bf16": 0.5}, calls)
     assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "a.json"), faster_bf16) == "bf16"
-    assert calls == [("fp32", 8, 16), ("bf16", 8, 16)] * 2  # alternated; at most 8 sequences
+    assert calls == [("fp32", 32, 16), ("bf16", 32, 16)] * 2  # alternated, at the real micro-batch
     near_tie = fake_measure({"fp32": 1.0, "bf16": 0.97}, [])
     assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "b.json"), near_tie) == "fp32"
     slower_bf16 = fake_measure({"fp32": 1.0, "bf16": 1.6}, [])
     assert precision.measured_cpu_choice(model, 4, 16, str(tmp_path / "c.json"), slower_bf16) == "fp32"
+
+
+def test_the_probe_runs_the_real_batch_unless_a_pass_would_be_costly():
+    small = tiny_model()
+    assert precision.probe_batch_size(small, 32, 16) == 32
+    wide = GPT(GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=8, n_embd=512))
+    sequences = precision.probe_batch_size(wide, 32, 128)
+    assert 1 < sequences < 32
+    assert wide.flops_per_token(128) * 128 * sequences <= precision.PROBE_FLOPS
+    assert wide.flops_per_token(128) * 128 * (sequences + 1) > precision.PROBE_FLOPS
+    assert precision.probe_batch_size(wide, 32, 128 * 64) == 1  # never less than one sequence
 
 
 def test_the_decision_is_cached_per_model_shape(tmp_path):

@@ -1,17 +1,14 @@
 """Sharded (DCP) snapshots: commit marker, checksums, retention, safe loading, background
 saves; FSDP2 round trips, resharding, a rank 0 killed before the commit, and S3 with real
 processes (torchrun, gloo) in the slow tests."""
-import copy
 import json
 import logging
 import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 import uuid
-import warnings
 from pathlib import Path
 
 import pytest
@@ -74,6 +71,17 @@ def test_a_save_is_a_step_directory_published_by_its_marker_and_loads_back(tmp_p
     assert is_sharded(store.url) and not is_sharded(str(tmp_path / "other" / "snapshot.pt"))
 
 
+def test_shards_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
+    import mingpt_ddp.sharded_snapshot as sharded_snapshot
+
+    read_back = []
+    real = sharded_snapshot._sha256_of
+    monkeypatch.setattr(sharded_snapshot, "_sha256_of", lambda fs, path: read_back.append(path) or real(fs, path))
+    store = saved_store(tmp_path, [1])
+    assert read_back and not [p for p in read_back if p.endswith(".distcp")]  # only the small files
+    store.verify(store.candidates()[0])  # and what was hashed on the way is what is stored
+
+
 def test_keep_last_by_step_never_removing_the_one_just_committed(tmp_path):
     store = saved_store(tmp_path, [5, 10, 100, 20], keep_last=2)  # out of order: newest is the highest step
     assert step_dirs(tmp_path / "run" / "snapshot.pt.dcp") == ["step000000020", "step000000100"]
@@ -96,7 +104,7 @@ def test_an_unfinished_directory_is_never_loaded_and_a_later_save_removes_it(tmp
     assert step_dirs(root) == ["step000000001", "step000000003"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "meta missing"])
 def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(tmp_path, caplog, damage):
     store = saved_store(tmp_path, [1, 2])
     shard = tmp_path / "run" / "snapshot.pt.dcp" / "step000000002" / "__0_0.distcp"
@@ -106,12 +114,16 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
         shard.write_bytes(bytes(blob))
     elif damage == "truncate":
         shard.write_bytes(bytes(blob[:-10]))
-    else:
+    elif damage == "missing":
         shard.unlink()
+    else:
+        (shard.parent / META).unlink()
     with caplog.at_level(logging.WARNING):
         model, meta = load_full_model_state(store.url)
     assert meta["train_state"]["step"] == 1 and torch.equal(model["w"], state(1)["model"]["w"])
     assert "step000000002" in caplog.text
+    with pytest.raises(ConfigError, match=r"step000000002.*Move that directory away"):  # one line for the user
+        store.load(store.candidates()[0], empty())
     target = empty()
     with caplog.at_level(logging.WARNING):
         meta, where = store.load_latest(target)
@@ -119,13 +131,15 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
     assert torch.equal(target["model"]["w"], state(1)["model"]["w"])
     names = step_dirs(tmp_path / "run" / "snapshot.pt.dcp")
     assert names[0] == "step000000001" and names[1].startswith("step000000002.corrupt")  # never deleted
-    expected = {"flip": "checksum mismatch", "truncate": "truncated", "missing": "missing"}[damage]
+    expected = {"flip": "checksum mismatch", "truncate": "truncated", "missing": "__0_0.distcp is missing",
+                "meta missing": f"{META} is missing"}[damage]
     assert expected in caplog.text
 
 
-def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(tmp_path):
+@pytest.mark.parametrize("marker", ["{not json", "[1, 2]", '{"format": 1, "step": 1, "files": {"../../x": {}}}'])
+def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(tmp_path, marker):
     store = saved_store(tmp_path, [1])
-    (tmp_path / "run" / "snapshot.pt.dcp" / "step000000001" / MARKER).write_text("{not json")
+    (tmp_path / "run" / "snapshot.pt.dcp" / "step000000001" / MARKER).write_text(marker)
     with pytest.raises(ConfigError, match="no usable sharded snapshot"):
         store.latest_meta()
     with pytest.raises(ConfigError, match="no usable sharded snapshot"):
@@ -160,9 +174,8 @@ def test_one_save_in_flight_and_the_snapshot_holds_the_state_at_save_time(tmp_pa
     live = state(1)
     first = store.save_async(1, live, {"train_state": {"step": 1}})
     live["model"]["w"].add_(100.0)  # training goes on while the first save is written
-    assert not first.done()
     second = store.save_async(2, state(2), {"train_state": {"step": 2}})
-    assert first.done() and first.wait() is None  # the second save waited for the first
+    assert first.done() and first.wait() is None  # the second save waited for the first (1 s at its commit)
     assert (tmp_path / "snapshot.pt.dcp" / "step000000001" / MARKER).exists()
     assert second.wait() is None
     target = empty()
@@ -179,22 +192,24 @@ def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     assert torch.equal(model["w"], state(5)["model"]["w"])
 
 
-def test_s3_round_trip_in_one_process(seaweedfs):
+@pytest.mark.parametrize("server", ["seaweedfs", "moto_s3"])
+def test_s3_round_trip_in_one_process(request, server):
+    s3 = request.getfixturevalue(server)  # DCP's fsspec reader and writer on both servers
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
-    seaweedfs.make_bucket(bucket)
+    s3.make_bucket(bucket)
     url = f"s3://{bucket}/runs/a/snapshot.pt"
-    store = ShardedSnapshotStore(url, keep_last=2, storage_options=s3_options(seaweedfs))
+    store = ShardedSnapshotStore(url, keep_last=2, storage_options=s3_options(s3))
     store.check_writable()
     for step in (1, 2, 3):
         assert store.save(step, state(step), {"train_state": {"step": step}}) is None
-    keys = sorted(o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=bucket).get("Contents", []))
+    keys = sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
     assert {k.split("/")[3] for k in keys} == {"step000000002", "step000000003"}
     assert f"runs/a/snapshot.pt.dcp/step000000003/{MARKER}" in keys
     target = empty()
     meta, where = store.load_latest(target)
     assert where == f"s3://{bucket}/runs/a/snapshot.pt.dcp/step000000003" and meta["train_state"]["step"] == 3
     assert torch.equal(target["model"]["b"], state(3)["model"]["b"])
-    model, meta = load_full_model_state(url, s3_options(seaweedfs))
+    model, meta = load_full_model_state(url, s3_options(s3))
     assert torch.equal(model["w"], state(3)["model"]["w"])
 
 
@@ -221,19 +236,28 @@ def assert_same_states(expected: dict, got: dict) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """Steps 1, 2, 3 saved by 2 FSDP ranks (keep_last=2), training on while each is written."""
+    """Steps 1, 2, 3 saved by 2 FSDP ranks (keep_last=2), training on while each is written,
+    then loaded back into a differently initialised model on the same 2 ranks."""
     base = tmp_path_factory.mktemp("fsdp")
     path = base / "run" / "snapshot.pt"
-    worker(["save", str(path), str(base), "1", "2", "3"], nproc=2)
-    return path, torch.load(base / "saved.pt", weights_only=True)
+    worker(["roundtrip", str(path), str(base), "1", "2", "3"], nproc=2)
+    return path, torch.load(base / "saved.pt", weights_only=True), torch.load(base / "loaded.pt", weights_only=True)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 1])
-def test_fsdp_snapshot_loads_bit_identical_on_2_ranks_and_resharded_on_1(fsdp_run, tmp_path, nproc):
-    path, saved = fsdp_run
+def test_fsdp_snapshot_loads_back_bit_identical_on_2_ranks(fsdp_run):
+    path, saved, loaded = fsdp_run
     assert step_dirs(path.parent / "snapshot.pt.dcp") == ["step000000002", "step000000003"]
-    worker(["load", str(path), str(tmp_path)], nproc=nproc)
+    marker = json.loads((path.parent / "snapshot.pt.dcp" / "step000000003" / MARKER).read_text())
+    assert marker["world_size"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= set(marker["files"])
+    assert loaded["meta"]["train_state"]["step"] == 3 and loaded["meta"]["world_size"] == 2
+    assert_same_states(saved, loaded)
+
+
+@pytest.mark.slow
+def test_a_2_rank_fsdp_snapshot_loads_resharded_on_1_rank(fsdp_run, tmp_path):
+    path, saved, _ = fsdp_run
+    worker(["load", str(path), str(tmp_path)], nproc=1)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded["meta"]["train_state"]["step"] == 3 and loaded["meta"]["world_size"] == 2
     assert_same_states(saved, loaded)
@@ -246,7 +270,7 @@ def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_grou
     from mingpt_ddp.model import GPT
     from dcp_worker import CFG
 
-    path, saved = fsdp_run
+    path, saved, _ = fsdp_run
     model_state, meta = load_full_model_state(str(path))
     assert not dist.is_initialized() and meta["train_state"]["step"] == 3
     model = GPT(CFG)
@@ -260,7 +284,7 @@ def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_grou
 def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_used(fsdp_run, tmp_path):
     import shutil
 
-    path, _ = fsdp_run
+    path, _, _ = fsdp_run
     copy_root = tmp_path / "run"
     shutil.copytree(path.parent, copy_root)
     shard = copy_root / "snapshot.pt.dcp" / "step000000003" / "__1_0.distcp"
@@ -272,14 +296,6 @@ def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_us
     assert loaded["meta"]["train_state"]["step"] == 2, text
     assert "checksum mismatch in __1_0.distcp" in text
     assert any(n.startswith("step000000003.corrupt") for n in step_dirs(copy_root / "snapshot.pt.dcp"))
-
-
-def children(pid: int) -> list[int]:
-    try:
-        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    except FileNotFoundError:
-        return []
-    return [int(p) for p in out.split()]
 
 
 @pytest.mark.slow
@@ -313,13 +329,26 @@ def test_rank0_killed_between_the_shards_and_the_commit_leaves_the_previous_snap
 
 
 @pytest.mark.slow
+def test_a_save_failing_on_one_rank_is_not_committed_and_every_rank_hears_why(tmp_path):
+    path = tmp_path / "run" / "snapshot.pt"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", WORKER, "save", str(path), str(tmp_path), "1", "2"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "DCP_TEST_FAIL_RANK_AT_STEP": "1:2"})
+    text = proc.stdout + proc.stderr
+    errors = {line.split(": save failed: ", 1)[1] for line in text.splitlines() if ": save failed: " in line}
+    assert proc.returncode != 0 and len(errors) == 1, text  # the same answer on both ranks
+    assert "rank 1: hashing its files failed: PermissionError" in errors.pop()
+    assert "rank 0: save failed" in text and "rank 1: save failed" in text
+    assert [Path(c).name for c in ShardedSnapshotStore(str(path)).candidates()] == ["step000000001"]
+
+
+@pytest.mark.slow
 def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)
     url = f"s3://{bucket}/runs/fsdp/snapshot.pt"
     env = {"DCP_TEST_STORAGE_OPTIONS": json.dumps(s3_options(seaweedfs))}
-    worker(["save", url, str(tmp_path), "1", "2"], nproc=2, env=env)
-    worker(["load", url, str(tmp_path)], nproc=2, env=env)
+    worker(["roundtrip", url, str(tmp_path), "1", "2"], nproc=2, env=env)
     saved = torch.load(tmp_path / "saved.pt", weights_only=True)
     loaded = torch.load(tmp_path / "loaded.pt", weights_only=True)
     assert loaded["where"] == f"{url}.dcp/step000000002"
@@ -327,3 +356,52 @@ def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     keys = [o["Key"] for o in seaweedfs.client().list_objects_v2(Bucket=bucket).get("Contents", [])]
     assert f"runs/fsdp/snapshot.pt.dcp/step000000002/{MARKER}" in keys
     assert {"__0_0.distcp", "__1_0.distcp"} <= {k.rsplit("/", 1)[-1] for k in keys if "step000000002" in k}
+
+
+def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(seaweedfs, caplog):
+    bucket = f"dcp-{uuid.uuid4().hex[:8]}"
+    seaweedfs.make_bucket(bucket)
+    url = f"s3://{bucket}/runs/b/snapshot.pt"
+    store = ShardedSnapshotStore(url, storage_options=s3_options(seaweedfs), save_retry_minutes=5)
+    assert store.save(1, state(1), {"train_state": {"step": 1}}) is None
+    seaweedfs.stop()
+    try:
+        with caplog.at_level(logging.WARNING):
+            handle = store.save_async(2, state(2), {"train_state": {"step": 2}})
+            deadline = time.monotonic() + 60
+            while "retrying in" not in caplog.text:
+                assert time.monotonic() < deadline and not handle.done(), caplog.text
+                time.sleep(0.1)
+    finally:
+        seaweedfs.start()
+    assert handle.wait() is None
+    assert store.latest_meta()[0]["train_state"]["step"] == 2
+
+
+def test_a_save_that_cannot_work_fails_at_once_with_the_reason(seaweedfs, caplog):
+    url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/snapshot.pt"
+    store = ShardedSnapshotStore(url, storage_options=s3_options(seaweedfs), save_retry_minutes=5)
+    with caplog.at_level(logging.WARNING):
+        error = store.save(1, state(1), {})
+    assert error and "step000000001" in error and "retrying" not in caplog.text
+
+
+def test_a_newer_save_replaces_one_waiting_to_be_retried(seaweedfs, caplog):
+    bucket = f"dcp-{uuid.uuid4().hex[:8]}"
+    seaweedfs.make_bucket(bucket)
+    store = ShardedSnapshotStore(f"s3://{bucket}/snapshot.pt", storage_options=s3_options(seaweedfs),
+                                 save_retry_minutes=5)
+    seaweedfs.stop()
+    try:
+        with caplog.at_level(logging.WARNING):
+            stale = store.save_async(2, state(2), {"train_state": {"step": 2}})
+            deadline = time.monotonic() + 60
+            while "retrying in" not in caplog.text:
+                assert time.monotonic() < deadline and not stale.done(), caplog.text
+                time.sleep(0.1)
+            newer = store.save_async(3, state(3), {"train_state": {"step": 3}})  # the store is still down
+            assert stale.done() and stale.wait() is None and "a newer one replaces it" in caplog.text
+    finally:
+        seaweedfs.start()
+    assert newer.wait() is None
+    assert [c.rsplit("/", 1)[-1] for c in store.candidates()] == ["step000000003"]

@@ -1,0 +1,155 @@
+"""Our fast CPU recipe against nanoGPT's README CPU recipe, side by side, on any texts.
+
+    .venv/bin/python benchmarks/vs_nanogpt.py --nanogpt PATH/TO/nanoGPT TEXT [TEXT ...]
+        [--ours "experiment=char_cpu_fast"] [--repeats 1] [--json out.json]
+
+For each text, in one run and one after the other on the same cores:
+
+1. nanoGPT (a checkout of github.com/karpathy/nanoGPT, copied to a temp dir, never
+   modified) trains with the README's CPU command (4L/128d, block 64, batch 12, 2000 iters)
+   on the same contiguous split as ours (last 10% validation, one id per character). Its
+   time to its final loss is the wall time from launching `train.py` to its `step 2000`
+   line; its final loss is then measured on the whole validation split, in windows of 64,
+   exactly as our final evaluation does (its own 20-batch estimate is noisy).
+2. Ours: `python mingpt_ddp/main.py <--ours overrides> data.path=TEXT`, wall time from
+   launch to exit (imports, encoding the text, training, the final evaluation), and the
+   final validation loss from the run's result file.
+
+The table gives both losses, both times and ours/nanoGPT's time: the recipe's target is
+that our loss is at most nanoGPT's in at most half its time. nanoGPT's loss curve still
+falls at iter 2000, so its time to reach its final loss is its whole run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+README_CPU_RECIPE = ["config/train_shakespeare_char.py", "--device=cpu", "--compile=False", "--eval_iters=20",
+                     "--log_interval=1", "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4",
+                     "--n_embd=128", "--max_iters=2000", "--lr_decay_iters=2000", "--dropout=0.0"]
+BLOCK = 64
+
+
+def split_ids(text: str) -> tuple[np.ndarray, np.ndarray, dict]:
+    chars = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    n_val = int(len(ids) * 0.1)  # as data.val_fraction=0.1: the last 10%, contiguous
+    meta = {"vocab_size": len(chars), "itos": dict(enumerate(chars)), "stoi": stoi}
+    return ids[: len(ids) - n_val], ids[len(ids) - n_val :], meta
+
+
+def full_val_loss(model: torch.nn.Module, val: np.ndarray, batch: int = 64) -> float:
+    """Mean loss over every non-overlapping window of BLOCK in the split (as our evaluate)."""
+    tokens = torch.from_numpy(val.astype(np.int64))
+    n = (len(tokens) - 1) // BLOCK
+    starts = torch.arange(n) * BLOCK
+    cols = torch.arange(BLOCK + 1)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for chunk in starts.split(batch):
+            w = tokens[chunk[:, None] + cols]
+            _, loss = model(w[:, :-1].contiguous(), w[:, 1:].contiguous())
+            total += loss.item() * len(chunk)
+            count += len(chunk)
+    return total / count
+
+
+def run_nanogpt(nanogpt: Path, text: str, scratch: Path) -> dict:
+    work = scratch / "nanogpt"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(nanogpt, work, ignore=shutil.ignore_patterns(".git", "assets", "data"))
+    data_dir = work / "data" / "bench"
+    data_dir.mkdir(parents=True)
+    train, val, meta = split_ids(text)
+    train.tofile(data_dir / "train.bin")
+    val.tofile(data_dir / "val.bin")
+    with open(data_dir / "meta.pkl", "wb") as f:
+        pickle.dump(meta, f)
+    cmd = [sys.executable, "train.py", *README_CPU_RECIPE, "--dataset=bench", "--out_dir=out",
+           "--always_save_checkpoint=True"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reached, estimate = None, None
+    for line in proc.stdout:
+        if line.startswith("step 2000:"):
+            reached = time.perf_counter() - start
+            estimate = float(line.rsplit("val loss", 1)[1])
+    if proc.wait() != 0 or reached is None:
+        raise SystemExit(f"nanoGPT failed on this text (exit {proc.returncode})")
+    sys.path.insert(0, str(work))
+    try:
+        from model import GPT, GPTConfig  # nanoGPT's own model.py, from the copy
+        ckpt = torch.load(work / "out" / "ckpt.pt", map_location="cpu", weights_only=False)
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict({k.removeprefix("_orig_mod."): v for k, v in ckpt["model"].items()})
+        loss = full_val_loss(model, val)
+    finally:
+        sys.path.remove(str(work))
+        sys.modules.pop("model", None)
+    return {"seconds": reached, "val_loss": loss, "val_loss_20_batch_estimate": estimate}
+
+
+def run_ours(text_path: str, overrides: list[str], scratch: Path) -> dict:
+    run_dir = scratch / f"ours-{time.monotonic_ns()}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "mingpt_ddp" / "main.py"), *overrides, f"data.path={os.path.abspath(text_path)}",
+           f"data.cache_dir={scratch / 'cache'}", f"hydra.run.dir={run_dir}"]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"our run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads((run_dir / "result.json").read_text())
+    steps = None
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
+        steps = json.loads(line).get("step", steps)
+    return {"seconds": seconds, "val_loss": result["val_loss"], "steps": steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("texts", nargs="+")
+    p.add_argument("--nanogpt", required=True, type=Path, help="a checkout of karpathy/nanoGPT")
+    p.add_argument("--ours", default="experiment=char_cpu_fast", help="our overrides, space-separated")
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--json", help="also write the rows here")
+    args = p.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        for path in args.texts:
+            text = Path(path).read_text(encoding="utf-8")
+            for _ in range(args.repeats):
+                theirs = run_nanogpt(args.nanogpt, text, scratch)
+                ours = run_ours(path, args.ours.split(), scratch)
+                row = {"text": os.path.basename(path), "chars": len(text), "vocab": len(set(text)),
+                       "nanogpt_val": theirs["val_loss"], "nanogpt_s": theirs["seconds"],
+                       "ours_val": ours["val_loss"], "ours_s": ours["seconds"], "ours_steps": ours["steps"],
+                       "time_ratio": ours["seconds"] / theirs["seconds"],
+                       "reached": ours["val_loss"] <= theirs["val_loss"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print(f"\n{'text':<22}{'vocab':>6}{'nanoGPT val':>12}{'s':>8}{'ours val':>10}{'s':>8}{'ratio':>7}  reached")
+    for r in rows:
+        print(f"{r['text']:<22}{r['vocab']:>6}{r['nanogpt_val']:>12.4f}{r['nanogpt_s']:>8.1f}{r['ours_val']:>10.4f}"
+              f"{r['ours_s']:>8.1f}{r['time_ratio']:>7.2f}  {'yes' if r['reached'] else 'NO'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
