@@ -173,33 +173,33 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     lock = RunLock(store)  # one live run per snapshot location; rank 0 holds it
     distributed.on_main_then_share(lock.acquire, dist)
     try:
-        distributed.on_main_then_share(lambda: check_same_strategy(cfg, store, snapshot_options), dist)
-        return _resume_or_start(cfg, dist, run_dir, snapshots)
+        from_ddp = distributed.on_main_then_share(lambda: check_same_strategy(cfg, store, snapshot_options), dist)
+        return _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None)
     finally:
         lock.release()
 
 
-def check_same_strategy(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> None:
-    """A run's snapshots are DDP files or FSDP shards; resuming one kind under the other
-    strategy is refused with the way out (the weights need not be thrown away: export)."""
+def check_same_strategy(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> bool:
+    """Whether an FSDP run starts from DDP snapshot files (True: each rank takes its shard of
+    them; its own snapshots are sharded from then on). An FSDP run's shards are not resumed
+    by DDP: refused, saying how."""
     from mingpt_ddp.sharded_snapshot import is_sharded
 
-    wanted = parallel.strategy_name(cfg.trainer)
     sharded = is_sharded(store.url, options)
-    if wanted == "fsdp" and not sharded and store.candidates():
-        saved = "ddp"
-    elif wanted == "ddp" and sharded:
-        saved = "fsdp"
-    else:
-        return
-    raise ConfigError(
-        f"the snapshots at {store.url} were saved with trainer.strategy={saved}: resume them with "
-        f"trainer.strategy={saved}, or start a new run (new hydra.run.dir / trainer.snapshot_path)"
-    )
+    if parallel.strategy_name(cfg.trainer) == "fsdp":
+        return not sharded and bool(store.candidates())
+    if sharded:
+        raise ConfigError(
+            f"the snapshots at {store.url} were saved with trainer.strategy=fsdp: resume them with "
+            "trainer.strategy=fsdp, or start a new run (new hydra.run.dir / trainer.snapshot_path)"
+        )
+    return False
 
 
-def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store) -> tuple[str, Optional[float], str]:
-    found = load_agreed_snapshot(store, dist)
+def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
+                     ddp_files: Optional[SnapshotStore] = None) -> tuple[str, Optional[float], str]:
+    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from."""
+    found = load_agreed_snapshot(ddp_files or store, dist)
 
     corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     vocab = corpus.vocab
@@ -246,12 +246,14 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store) -> tup
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata)
         if found is not None:
-            if sharded:  # the shards of this world size, read in place (resharded if it changed)
+            if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
                 shards = trainer.strategy.state_dicts(trainer.optimizer)
                 store.load(where, shards)
                 snapshot = {**snapshot, **shards}
             trainer.load_state_dict(snapshot)
-            metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}")
+            metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
+                         + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
+                            f"{store.display(store.root)})" if ddp_files is not None else ""))
         metrics.total_steps = trainer.total_steps
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(TimeBudget(cfg.trainer.time_budget_minutes))

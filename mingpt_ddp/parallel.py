@@ -214,10 +214,20 @@ class FSDPStrategy(Strategy):
         return {"model": model_state, "optimizer": optim_state}
 
     def load_state_dicts(self, optimizer: torch.optim.Optimizer, snapshot: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        """This rank's shards; or a DDP snapshot's whole tensors, of which each rank keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        set_state_dict(self.model, optimizer, model_state_dict=snapshot["model"],
-                       optim_state_dict=snapshot["optimizer"])
+        model_state, optim_state = snapshot["model"], snapshot["optimizer"]
+        whole = not any(hasattr(v, "to_local") for v in model_state.values())
+        if whole:  # torch's optimizer state dict numbers the parameters; DCP's names them
+            names = {p: n for n, p in self.model.named_parameters()}
+            order = [names[p] for group in optimizer.param_groups for p in group["params"]]
+            optim_state = {
+                "state": {order[i]: s for i, s in optim_state["state"].items()},
+                "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in optim_state["param_groups"]],
+            }
+        set_state_dict(self.model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=whole))
 
 
 class ShardedGradScaler(torch.amp.GradScaler):

@@ -10,7 +10,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, TORCHRUN, output, read_metrics, run_cli, s3_env
+from conftest import PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_env
 from test_fault_tolerance import children, rank_of, start_torchrun, wait_for
 
 pytestmark = pytest.mark.slow
@@ -165,17 +165,25 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     assert text.count("error:") == 1, text
     expect_error(run_cli([*base, "trainer.strategy=zero3"], timeout=120), "Invalid value 'zero3'", code=1)
 
-    # A run's snapshots are resumed by the strategy that saved them; the other says how.
-    ddp_run = tmp_path / "ddp"
-    must_pass(run_cli(args(ddp_run, small_corpus, "trainer.max_steps=2")))
-    before = (ddp_run / "snapshot.pt").read_bytes()
-    expect_error(run_cli(args(ddp_run, small_corpus, "trainer.max_steps=4", "trainer.strategy=fsdp")),
-                 "were saved with trainer.strategy=ddp: resume them with trainer.strategy=ddp")
-    assert (ddp_run / "snapshot.pt").read_bytes() == before and not (ddp_run / "snapshot.pt.dcp").exists()
-    fsdp_run = tmp_path / "fsdp"
-    must_pass(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")))
-    expect_error(run_cli(args(fsdp_run, small_corpus, "trainer.max_steps=4")),
+    # DDP snapshots go on under FSDP (each rank takes its shard); FSDP's shards are not
+    # resumed by DDP, which says how.
+    run, straight = tmp_path / "switched", tmp_path / "straight"
+    fixed = ["model.dropout=0.0", "optimizer.decay_steps=100"]
+    must_pass(run_cli(args(straight, small_corpus, "trainer.max_steps=4", *fixed)))
+    must_pass(run_cli(args(run, small_corpus, "trainer.max_steps=2", *fixed)))
+    text = must_pass(run_cli(args(run, small_corpus, "trainer.max_steps=4", *fixed, "trainer.strategy=fsdp")))
+    assert f"resumed from {run}/snapshot.step000000002.pt: epoch 0, step 2 (a DDP snapshot" in text, text
+    state, meta = full_model(run / "snapshot.pt")
+    assert meta["train_state"]["step"] == 4
+    # The same steps as the DDP run, AdamW's moments included (lost moments would move each
+    # weight by about the learning rate)
+    reference = load_snapshot(straight / "snapshot.pt")["model"]
+    drift = max((state[k] - reference[k]).abs().max().item() for k in reference)
+    assert drift < 1e-5, drift
+    before = {p.name: p.read_bytes() for p in run.glob("snapshot*.pt")}
+    expect_error(run_cli(args(run, small_corpus, "trainer.max_steps=4")),
                  "were saved with trainer.strategy=fsdp: resume them with trainer.strategy=fsdp")
+    assert {p.name: p.read_bytes() for p in run.glob("snapshot*.pt")} == before
 
 
 def test_bench_reports_each_ranks_share_of_parameters_gradients_and_optimizer_state(tmp_path, small_corpus):
