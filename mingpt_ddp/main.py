@@ -173,13 +173,14 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     lock = RunLock(store)  # one live run per snapshot location; rank 0 holds it
     distributed.on_main_then_share(lock.acquire, dist)
     try:
-        from_ddp = distributed.on_main_then_share(lambda: check_same_strategy(cfg, store, snapshot_options), dist)
+        from_ddp = distributed.on_main_then_share(
+            lambda: fsdp_continues_ddp_snapshots(cfg, store, snapshot_options), dist)
         return _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None)
     finally:
         lock.release()
 
 
-def check_same_strategy(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> bool:
+def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> bool:
     """Whether an FSDP run starts from DDP snapshot files (True: each rank takes its shard of
     them; its own snapshots are sharded from then on). An FSDP run's shards are not resumed
     by DDP: refused, saying how."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
-import inspect
 from typing import Any, ContextManager, Optional
 
 import torch
