@@ -4,7 +4,8 @@ training ends within the budget.
 A step callback. Until the plan is made the run trains with the step count its epochs give;
 at the first log step after it has seen enough steps (5% of the budget, or 50 steps), rank 0
 turns the pace since training started into a number of steps that fits what is left of the
-budget (less a 10% reserve for evaluations and the last snapshot) and broadcasts it. The
+budget, less a reserve for the evaluations still to come (their forward passes at the
+measured pace, twice over) and 2% for the last snapshot, and broadcasts it. The
 plan is kept in TrainState, so it is in every later snapshot: a resume continues the same
 schedule (the cosine horizon is the plan) instead of planning again on another machine.
 """
@@ -19,7 +20,8 @@ from mingpt_ddp import distributed
 if TYPE_CHECKING:
     from mingpt_ddp.trainer import Trainer
 
-RESERVE = 0.10  # of the budget, for evaluations and the final snapshot
+RESERVE = 0.02  # of the budget, for the final snapshot and the end of the run
+FORWARD_SHARE = 1 / 3  # a forward pass costs about a third of a training step per window
 CALIBRATION_SHARE = 0.05  # of the budget spent measuring the pace, at most
 CALIBRATION_STEPS = 50  # ... or this many steps, whichever comes first
 
@@ -39,7 +41,7 @@ class TimeBudget:
             self._start_step = state.step - 1
         if state.step % trainer.cfg.log_every:
             return
-        plan = distributed.broadcast_object(self.plan(state.step) if trainer.dist.is_main else None)
+        plan = distributed.broadcast_object(self._plan_with_evaluations(trainer) if trainer.dist.is_main else None)
         if plan is None:
             return
         state.planned_steps = plan
@@ -51,13 +53,27 @@ class TimeBudget:
             "(the plan is saved with the snapshots, so a resume keeps it)"
         )
 
+    def _plan_with_evaluations(self, trainer: "Trainer"):
+        """The plan, with the evaluations it will run (periodic, epoch ends, the final one)
+        kept out of the training time: planned once, then again with those of the first plan."""
+        step, per_step = trainer.state.step, FORWARD_SHARE / trainer.global_batch
+        final = per_step * trainer.eval_windows(final=True)
+        first = self.plan(step, final)
+        if first is None:
+            return None
+        evaluations = (first // trainer.cfg.eval_every - step // trainer.cfg.eval_every
+                       + (first - step) // max(1, trainer.steps_in_epoch(trainer.state.epoch)))
+        return self.plan(step, final + evaluations * per_step * trainer.eval_windows())
+
     def steps_per_s(self, step: int) -> float:
         return (step - self._start_step) / max(1e-9, self._clock() - self._started)
 
-    def plan(self, step: int):
-        """The run's total steps once the pace is known; None while still measuring."""
+    def plan(self, step: int, final_eval_steps: float = 0.0):
+        """The run's total steps once the pace is known; None while still measuring.
+        `final_eval_steps`: the final evaluation's work, in training steps."""
         elapsed = self._clock() - self._started
         if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
             return None
-        left = (1.0 - RESERVE) * self.budget_s - elapsed
-        return max(step, step + math.floor(left * self.steps_per_s(step)))
+        pace = self.steps_per_s(step)
+        left = (1.0 - RESERVE) * self.budget_s - elapsed - 2 * final_eval_steps / pace
+        return max(step, step + math.floor(left * pace))

@@ -17,8 +17,10 @@ def test_the_plan_fits_what_is_left_of_the_budget_after_calibrating():
     now[0] = 10.0
     assert budget.plan(20) is None  # 10 s < 5% of the budget and 20 < CALIBRATION_STEPS steps
     now[0] = 30.0
-    # 50 steps in 30 s; 90% of 600 s = 540 s, 510 s left at 5/3 steps/s: 850 more steps.
-    assert budget.plan(50) == 900
+    # 50 steps in 30 s; 98% of 600 s = 588 s, 558 s left at 5/3 steps/s: 930 more steps.
+    assert budget.plan(50) == 980
+    # A final evaluation worth 30 steps (18 s at this pace) is reserved twice: 60 steps fewer.
+    assert budget.plan(50, final_eval_steps=30) == 920
     now[0] = 0.0
     slow = TimeBudget(1, clock=lambda: now[0])
     slow._start_step = 0
