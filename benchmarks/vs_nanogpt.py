@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/vs_nanogpt.py --nanogpt PATH/TO/nanoGPT TEXT [TEXT ...]
         [--ours "experiment=char_cpu_fast"] [--repeats 1] [--json out.json]
+    .venv/bin/python benchmarks/vs_nanogpt.py --nanogpt PATH/TO/nanoGPT --loop TEXT
+
+`--loop` compares the training loops instead: tokens/s of nanoGPT's train.py and of our
+`bench train` on the same model, block and batch (median step time of each, one after the
+other), for the cases in LOOP_CASES.
 
 For each text, in one run and one after the other on the same cores:
 
@@ -25,7 +30,9 @@ import argparse
 import json
 import os
 import pickle
+import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,7 +75,8 @@ def full_val_loss(model: torch.nn.Module, val: np.ndarray, batch: int = 64) -> f
     return total / count
 
 
-def run_nanogpt(nanogpt: Path, text: str, scratch: Path) -> dict:
+def prepare_nanogpt(nanogpt: Path, text: str, scratch: Path) -> Path:
+    """A fresh copy of the checkout with `text` as its dataset `bench` (our split)."""
     work = scratch / "nanogpt"
     shutil.rmtree(work, ignore_errors=True)
     shutil.copytree(nanogpt, work, ignore=shutil.ignore_patterns(".git", "assets", "data"))
@@ -79,6 +87,12 @@ def run_nanogpt(nanogpt: Path, text: str, scratch: Path) -> dict:
     val.tofile(data_dir / "val.bin")
     with open(data_dir / "meta.pkl", "wb") as f:
         pickle.dump(meta, f)
+    return work
+
+
+def run_nanogpt(nanogpt: Path, text: str, scratch: Path) -> dict:
+    work = prepare_nanogpt(nanogpt, text, scratch)
+    _, val, _ = split_ids(text)
     cmd = [sys.executable, "train.py", *README_CPU_RECIPE, "--dataset=bench", "--out_dir=out",
            "--always_save_checkpoint=True"]
     start = time.perf_counter()
@@ -113,11 +127,40 @@ def run_ours(text_path: str, overrides: list[str], scratch: Path) -> dict:
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"our run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    result = json.loads((run_dir / "result.json").read_text())
-    steps = None
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []:
-        steps = json.loads(line).get("step", steps)
-    return {"seconds": seconds, "val_loss": result["val_loss"], "steps": steps}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = [r for r in records if "val_loss" in r][-1]
+    return {"seconds": seconds, "val_loss": final["val_loss"], "steps": final["step"]}
+
+
+LOOP_CASES = [  # (label, layers, heads, dims, block, batch, our precision); nanoGPT runs fp32 on CPU
+    ("4L/128d block 64 batch 12", 4, 4, 128, 64, 12, "fp32"),
+    ("6L/384d block 256 batch 16", 6, 6, 384, 256, 16, "bf16"),
+    ("6L/384d block 256 batch 16", 6, 6, 384, 256, 16, "auto"),
+]
+
+
+def nanogpt_loop_tokens_per_s(nanogpt: Path, text: str, scratch: Path, case: tuple, iters: int = 60) -> float:
+    _, layers, heads, dims, block, batch, _ = case
+    work = prepare_nanogpt(nanogpt, text, scratch)
+    cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", "--device=cpu", "--compile=False",
+           "--dataset=bench", "--out_dir=out", f"--n_layer={layers}", f"--n_head={heads}", f"--n_embd={dims}",
+           f"--block_size={block}", f"--batch_size={batch}", f"--max_iters={iters}", "--eval_interval=100000",
+           "--eval_iters=1", "--log_interval=1", "--dropout=0.0"]
+    out = subprocess.run(cmd, cwd=work, capture_output=True, text=True, check=True).stdout
+    ms = [float(m) for n, m in re.findall(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms", out, re.M) if int(n) >= 10]
+    return batch * block / (statistics.median(ms) / 1000)
+
+
+def our_loop_tokens_per_s(text_path: str, scratch: Path, case: tuple, steps: int = 40) -> tuple[float, str]:
+    _, layers, heads, dims, block, batch, prec = case
+    out = scratch / f"bench-{time.monotonic_ns()}.json"
+    cmd = [sys.executable, "-m", "mingpt_ddp.bench", "train", f"model.n_layer={layers}", f"model.n_head={heads}",
+           f"model.n_embd={dims}", "model.dropout=0.0", f"data.block_size={block}", f"trainer.batch_size={batch}",
+           f"trainer.precision={prec}", f"data.path={os.path.abspath(text_path)}", f"data.cache_dir={scratch / 'cache'}",
+           f"steps={steps}", "warmup=5", f"out={out}"]
+    subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, check=True)
+    r = json.loads(out.read_text())
+    return batch * block / (r["ms_per_step_median"] / 1000), r["precision"]
 
 
 def main() -> None:
@@ -127,7 +170,18 @@ def main() -> None:
     p.add_argument("--ours", default="experiment=char_cpu_fast", help="our overrides, space-separated")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--loop", action="store_true", help="compare loop throughput instead (first text)")
     args = p.parse_args()
+    if args.loop:
+        with tempfile.TemporaryDirectory() as tmp:
+            text = Path(args.texts[0]).read_text(encoding="utf-8")
+            print(f"{'case':<30}{'ours':>6}{'ours tok/s':>12}{'nanoGPT fp32 tok/s':>20}{'ratio':>7}")
+            for case in LOOP_CASES:
+                theirs = nanogpt_loop_tokens_per_s(args.nanogpt, text, Path(tmp), case)
+                ours, used = our_loop_tokens_per_s(args.texts[0], Path(tmp), case)
+                print(f"{case[0]:<30}{case[6] + ('->' + used if case[6] == 'auto' else ''):>6}{ours:>12,.0f}"
+                      f"{theirs:>20,.0f}{ours / theirs:>7.2f}", flush=True)
+        return
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -135,6 +189,7 @@ def main() -> None:
             text = Path(path).read_text(encoding="utf-8")
             for _ in range(args.repeats):
                 theirs = run_nanogpt(args.nanogpt, text, scratch)
+                print(f"{path}: nanoGPT {json.dumps(theirs)}", flush=True)
                 ours = run_ours(path, args.ours.split(), scratch)
                 row = {"text": os.path.basename(path), "chars": len(text), "vocab": len(set(text)),
                        "nanogpt_val": theirs["val_loss"], "nanogpt_s": theirs["seconds"],
