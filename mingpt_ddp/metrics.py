@@ -116,6 +116,23 @@ def default_peak_sizes(device: torch.device) -> tuple[int, ...]:
     return (4096, 8192) if device.type == "cuda" else (1536, 2048)
 
 
+MAX_MATMUL_SECONDS = 0.5  # one timed matmul of the peak measurement, at most
+
+
+def affordable_peak_sizes(device: torch.device, dtype: torch.dtype) -> tuple[int, ...]:
+    """`default_peak_sizes`, less those whose single matmul would take over
+    MAX_MATMUL_SECONDS: a CPU without fast kernels for a dtype (fp16 on most, bf16 on old
+    ones) runs a 2048-size matmul for tens of seconds, which a run would wait for at start.
+    A 256-size probe gives the rate; if no default size fits, the largest power of two
+    from 1024 down that does."""
+    sizes = default_peak_sizes(device)
+    if device.type != "cpu":
+        return sizes
+    rate = matmul_flops(device, dtype, 256, seconds=0.01)
+    fits = [n for n in sizes if 2 * n**3 / rate <= MAX_MATMUL_SECONDS]
+    return tuple(fits) or next(((n,) for n in (1024, 512) if 2 * n**3 / rate <= MAX_MATMUL_SECONDS), (256,))
+
+
 def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 0.2) -> float:
     """Dense n x n x n matmul rate in FLOP/s: the best of several short timing windows.
 
@@ -158,7 +175,7 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float
     tf32 = device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
     key = (str(device), dtype, torch.get_num_threads(), tf32)
     if key not in _PEAK_CACHE:
-        sizes = default_peak_sizes(device)
+        sizes = affordable_peak_sizes(device, dtype)
         _PEAK_CACHE[key] = max(matmul_flops(device, dtype, n, seconds / len(sizes)) for n in sizes)
     return _PEAK_CACHE[key]
 

@@ -82,3 +82,16 @@ def test_only_auto_on_a_cpu_measures():
     assert precision.resolve("fp32", torch.device("cpu"), measure_cpu=measure).name == "fp32"
     assert precision.resolve("bf16", torch.device("cpu"), measure_cpu=measure).name == "bf16"
     assert calls == [1]
+
+
+def test_the_peak_measurement_skips_matmul_sizes_that_would_take_seconds(monkeypatch):
+    """fp16 on a CPU without fp16 kernels: a 2048-size matmul takes tens of seconds, and
+    every fp16 run waited for several of them at start."""
+    from mingpt_ddp import metrics
+
+    cpu = torch.device("cpu")
+    for rate, expected in ((2e11, (1536, 2048)), (3e10, (1536,)), (2e9, (512,)), (1e8, (256,))):
+        monkeypatch.setattr(metrics, "matmul_flops", lambda device, dtype, n, seconds=0.2, r=rate: r)
+        sizes = metrics.affordable_peak_sizes(cpu, torch.float16)
+        assert sizes == expected, (rate, sizes)
+        assert all(2 * n**3 / rate <= metrics.MAX_MATMUL_SECONDS for n in sizes if n > 256)
