@@ -166,7 +166,9 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore
 
         snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
-                                         retry_minutes=cfg.trainer.load_retry_minutes)
+                                         retry_minutes=cfg.trainer.load_retry_minutes,
+                                         save_retry_minutes=cfg.trainer.save_retry_minutes,
+                                         collective_timeout_minutes=cfg.trainer.collective_timeout_minutes)
     else:
         snapshots = store
     distributed.on_main_then_share(snapshots.check_writable, dist)
