@@ -11,18 +11,9 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_env
-from test_fault_tolerance import children, rank_of, start_torchrun, wait_for
+from test_fault_tolerance import args, children, must_pass, rank_of, start_torchrun, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def args(run_dir, corpus, *extra):
-    return [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", *extra]
-
-
-def must_pass(proc):
-    assert proc.returncode == 0, output(proc)
-    return output(proc)
 
 
 def full_model(path, **options):

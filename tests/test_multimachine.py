@@ -73,6 +73,8 @@ def test_topology_resolution(tmp_path):
     topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1", NPROC_PER_NODE="1")
     assert "--nproc_per_node=1" in cmd, topo
 
+    # A dry run: 10.1.2.3 is only text to the script (it binds it locally to ask whether it is
+    # this machine's, which fails without a packet) and nothing connects to it.
     topo, cmd = resolve(tmp_path, HEAD_NODE="10.1.2.3", NNODES="2")
     assert "--nnodes=2" in cmd and "--rdzv_endpoint=10.1.2.3:29500" in cmd and "--rdzv_id=10.1.2.3-29500" in cmd
     assert "joins 10.1.2.3:29500" in topo, topo

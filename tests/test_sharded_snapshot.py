@@ -358,6 +358,14 @@ def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     assert {"__0_0.distcp", "__1_0.distcp"} <= {k.rsplit("/", 1)[-1] for k in keys if "step000000002" in k}
 
 
+def wait_until_retrying(handle, caplog):
+    """Until the store logs that it will retry `handle`'s save, which must still be pending."""
+    deadline = time.monotonic() + 60
+    while "retrying in" not in caplog.text:
+        assert time.monotonic() < deadline and not handle.done(), caplog.text
+        time.sleep(0.1)
+
+
 def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(seaweedfs, caplog):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)
@@ -368,10 +376,7 @@ def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(sea
     try:
         with caplog.at_level(logging.WARNING):
             handle = store.save_async(2, state(2), {"train_state": {"step": 2}})
-            deadline = time.monotonic() + 60
-            while "retrying in" not in caplog.text:
-                assert time.monotonic() < deadline and not handle.done(), caplog.text
-                time.sleep(0.1)
+            wait_until_retrying(handle, caplog)
     finally:
         seaweedfs.start()
     assert handle.wait() is None
@@ -395,10 +400,7 @@ def test_a_newer_save_replaces_one_waiting_to_be_retried(seaweedfs, caplog):
     try:
         with caplog.at_level(logging.WARNING):
             stale = store.save_async(2, state(2), {"train_state": {"step": 2}})
-            deadline = time.monotonic() + 60
-            while "retrying in" not in caplog.text:
-                assert time.monotonic() < deadline and not stale.done(), caplog.text
-                time.sleep(0.1)
+            wait_until_retrying(stale, caplog)
             newer = store.save_async(3, state(3), {"train_state": {"step": 3}})  # the store is still down
             assert stale.done() and stale.wait() is None and "a newer one replaces it" in caplog.text
     finally:
