@@ -1,0 +1,302 @@
+"""Two machines on a real (simulated) network: launch/multinode.sh in two Linux network
+namespaces joined by a veth link (tests/netns_hosts.py: 10.77.91.1 and 10.77.91.2). The host
+name resolves to neither address (here: to loopback), as on machines whose host name belongs
+to another interface: who hosts the rendezvous, which interface the collectives use and what
+each node advertises must come from the network, not from the name. Skipped, with the
+reason, where namespaces cannot be made (not root); CI runs as root."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY
+from netns_hosts import Network
+
+pytestmark = pytest.mark.slow
+
+MULTINODE = REPO / "launch" / "multinode.sh"
+
+PROBE = '''
+import atexit, json, os, sys
+_dir = os.environ.get("MINGPT_RANK_PROBE")
+def _record():
+    if _dir and "RANK" in os.environ and sys.argv and sys.argv[0].endswith("main.py"):
+        keys = ("RANK", "GROUP_RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MACHINE")
+        with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
+            json.dump({k: os.environ.get(k) for k in keys}, f)
+atexit.register(_record)
+'''
+
+
+@pytest.fixture(scope="module")
+def namespaces_available():
+    why = Network.unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine_env(**settings: str) -> dict:
+    """No Slurm, no torchrun, nothing network-related from the caller; plus `settings`."""
+    drop = ("SLURM_", "TORCHELASTIC_", "GLOO_", "NCCL_SOCKET", "LOCAL_ADDR", "IS_HEAD", "HEAD_NODE", "RUN_ID")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    env.update(PYTHONUNBUFFERED="1", NPROC_PER_NODE="1", OMP_NUM_THREADS="1", **settings)
+    return env
+
+
+class Machine:
+    """launch/multinode.sh on one host, its output in a log file."""
+
+    def __init__(self, tmp_path: Path, name: str, host, args: list[str], **env: str):
+        self.name, self.log = name, tmp_path / f"{name}.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(host.cmd(str(MULTINODE), *args), cwd=tmp_path, stdout=out,
+                                         stderr=subprocess.STDOUT, env=machine_env(MACHINE=name, **env))
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        wait_for(lambda: text in self.text(), timeout, f"{text!r} from {self.name}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"{self.name} still running after {timeout} s:\n{self.text()}")
+
+
+def error_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if re.search(r"\berror\b", line, re.I)]
+
+
+def assert_no_wall(text: str) -> None:
+    assert "Traceback" not in text and "frame #" not in text and "Exception raised from" not in text, text
+
+
+def tiny(corpus: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*TINY, f"data.path={corpus}", f"hydra.run.dir={run_dir}", *extra]
+
+
+def test_head_hosts_the_rendezvous_on_its_own_address(namespaces_available, tmp_path, small_corpus):
+    """HEAD_NODE=10.77.91.1, the head's address on the link (not what its host name resolves
+    to): two "machines" on host A (both see HEAD_NODE as theirs: the first to start hosts the
+    rendezvous, the other joins it) and one on host B form one job of three ranks. The
+    workers' collectives bind the link's interface on their host (GLOO_SOCKET_IFNAME, and
+    NCCL_SOCKET_IFNAME for GPUs), and rank 0's store is advertised at a link address, not at
+    loopback or the host name."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PROBE)
+    ranks_dir = tmp_path / "ranks"
+    ranks_dir.mkdir()
+    with Network() as net:
+        a, b = net.hosts
+        common = dict(HEAD_NODE=a.addr, NNODES="3", RDZV_PORT=str(free_port()), RDZV_TIMEOUT="120",
+                      MAX_RESTARTS="0", PYTHONPATH=str(site), MINGPT_RANK_PROBE=str(ranks_dir))
+        args = tiny(small_corpus, tmp_path / "run", "trainer.max_steps=4")
+        machines = [Machine(tmp_path, "a1", a, args, **common), Machine(tmp_path, "a2", a, args, **common),
+                    Machine(tmp_path, "b", b, args, **common)]
+        codes = [m.wait(240) for m in machines]
+    out = {m.name: m.text() for m in machines}
+    assert codes == [0, 0, 0], out
+    assert "done: step 4" in "".join(out.values()) and "on 3 process(es)" in "".join(out.values()), out
+
+    topology = {name: next(line for line in text.splitlines() if line.startswith("multinode: topology:"))
+                for name, text in out.items()}
+    for name in ("a1", "a2"):
+        assert f"hosts the rendezvous {a.addr}:" in topology[name], topology
+        assert f"net={a.dev} {a.addr} (the route to {a.addr}" in topology[name], topology
+    assert f"joins {a.addr}:" in topology["b"] and f"net={b.dev} {b.addr}" in topology["b"], topology
+    joined = [name for name in ("a1", "a2") if "joining the rendezvous hosted there" in out[name]]
+    assert len(joined) == 1, out  # one of the two on host A hosts, the other joins it
+
+    ranks = [json.loads(p.read_text()) for p in ranks_dir.glob("*.json")]
+    assert sorted(int(r["RANK"]) for r in ranks) == [0, 1, 2], ranks
+    dev = {"a1": a.dev, "a2": a.dev, "b": b.dev}
+    for r in ranks:
+        assert r["GLOO_SOCKET_IFNAME"] == dev[r["MACHINE"]], ranks
+        assert r["NCCL_SOCKET_IFNAME"] == "=" + dev[r["MACHINE"]], ranks
+        assert r["MASTER_ADDR"] in (a.addr, b.addr), ranks
+
+
+def test_a_failed_rendezvous_is_one_line_on_each_host(namespaces_available, tmp_path, small_corpus):
+    """The two hosts disagree on RUN_ID: the head waits for a node that never comes and, after
+    RDZV_TIMEOUT, stops with one `error:` line naming the rendezvous and what to check (RUN_ID
+    among it); so does the other host. No traceback, no C++ frames from c10d's store."""
+    timeout = 6
+    with Network() as net:
+        a, b = net.hosts
+        common = dict(HEAD_NODE=a.addr, NNODES="2", RDZV_PORT=str(free_port()), RDZV_TIMEOUT=str(timeout),
+                      MAX_RESTARTS="0")
+        args = tiny(small_corpus, tmp_path / "run")
+        start = time.monotonic()
+        machines = [Machine(tmp_path, "a", a, args, RUN_ID="one", **common)]
+        machines[0].wait_for("hosting the rendezvous", 120)  # B's own check that A answers passes
+        machines.append(Machine(tmp_path, "b", b, args, RUN_ID="two", **common))
+        codes = [m.wait(120) for m in machines]
+        elapsed = time.monotonic() - start
+    for m, code in zip(machines, codes):
+        text = m.text()
+        assert code != 0, text
+        assert_no_wall(text)
+        errors = error_lines(text)
+        assert len(errors) == 1, text
+        assert f"rendezvous at {a.addr}:{common['RDZV_PORT']}" in errors[0], errors
+    # A waited its RDZV_TIMEOUT for a second node of run "one"; B either did the same for run
+    # "two" or, started after A had given up (a loaded machine), found nobody there any more.
+    assert "RUN_ID" in error_lines(machines[0].text())[0], machines[0].text()
+    assert elapsed < timeout + 60, f"{elapsed:.0f} s"
+
+
+def newest_snapshot_step(run_dir: Path) -> int:
+    steps = [int(m.group(1)) for p in run_dir.glob("snapshot.step*.pt") if (m := re.search(r"step(\d+)", p.name))]
+    return max(steps, default=0)
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"no {what} after {timeout} s")
+
+
+def test_a_host_whose_processes_die_mid_run_stops_the_survivor_in_one_line_and_a_restart_resumes(
+        namespaces_available, tmp_path, small_corpus):
+    """Every process on host B is killed mid-run (SIGKILL: an OOM kill, a crashed agent; B's
+    kernel still closes their connections). Host A's workers lose their peer at the next
+    collective and say so in one line, no traceback; its agent restarts them (MAX_RESTARTS=1)
+    into a new rendezvous round that B never joins, and after RDZV_TIMEOUT stops host A with
+    one line of its own.
+    Started again on both hosts, the job resumes from the newest snapshot and finishes."""
+    timeout = 20  # also the first rendezvous: both hosts import torch within it, on a loaded machine too
+    run_dir = tmp_path / "run"
+    with Network() as net:
+        a, b = net.hosts
+        common = dict(HEAD_NODE=a.addr, NNODES="2", RDZV_PORT=str(free_port()), RDZV_TIMEOUT=str(timeout),
+                      MAX_RESTARTS="1", RUN_ID="dies")
+        args = tiny(small_corpus, run_dir, "trainer.max_steps=100000", "trainer.log_every=2",
+                    "trainer.snapshot_every_steps=4")
+        machines = [Machine(tmp_path, "a", a, args, **common), Machine(tmp_path, "b", b, args, **common)]
+        def saved() -> bool:
+            for m in machines:
+                assert m.proc.poll() is None, f"{m.name} ended before the first snapshot:\n{m.text()}"
+            return newest_snapshot_step(run_dir) >= 4
+
+        wait_for(saved, 240, "snapshot")
+        before = len(machines[0].text())
+        killed = time.monotonic()
+        assert net.kill(b), "nothing ran on host B"
+        code = machines[0].wait(timeout + 90)
+        elapsed = time.monotonic() - killed
+        after = machines[0].text()[before:]
+        assert code != 0, after
+        assert_no_wall(after)
+        # One line per layer that gave up: the worker at its collective, then the agent.
+        errors = error_lines(after)
+        assert len(errors) == 2, after
+        assert "error: lost contact with the other ranks: Connection closed by peer" in errors[0], errors
+        assert f"error: the rendezvous at {a.addr}:{common['RDZV_PORT']}" in errors[1], errors
+        assert elapsed < timeout + 60, f"{elapsed:.0f} s:\n{after}"
+
+        resume_at = newest_snapshot_step(run_dir)
+        args = tiny(small_corpus, run_dir, f"trainer.max_steps={resume_at + 4}", "trainer.log_every=2",
+                    "trainer.snapshot_every_steps=4")
+        common["RDZV_PORT"] = str(free_port())
+        again = [Machine(tmp_path, "a-again", a, args, **common), Machine(tmp_path, "b-again", b, args, **common)]
+        codes = [m.wait(240) for m in again]
+    out = "".join(m.text() for m in again)
+    assert codes == [0, 0], out
+    assert re.search(rf"resumed from \S+: epoch \d+, step {resume_at}\b", out), out
+    assert f"done: step {resume_at + 4}" in out, out
+
+
+COLLECTIVE_TIMEOUT = ["trainer.collective_timeout_minutes=0.25", "trainer.save_retry_minutes=0.1",
+                      "trainer.load_retry_minutes=0"]
+
+
+def short_collective_timeout_refused() -> str:
+    """Why trainer.collective_timeout_minutes=0.25 is refused on this code ('' when it is not):
+    while rank 0's save retries wait inside the training group's collectives, the timeout
+    must outlast them (issue 23, item 3 moves that wait out of the group)."""
+    from types import SimpleNamespace
+
+    from mingpt_ddp import config
+    from mingpt_ddp.errors import ConfigError
+
+    settings = dict(arg.split(".", 1)[1].split("=") for arg in COLLECTIVE_TIMEOUT)
+    try:
+        config.collective_timeout_minutes(SimpleNamespace(**{k: float(v) for k, v in settings.items()}))
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
+def test_a_link_that_goes_down_mid_run_stops_both_hosts_in_one_line_each_and_a_restart_resumes(
+        namespaces_available, tmp_path, small_corpus):
+    """The link goes down mid-run (a cable pulled, a switch port dead: no FIN, no RST reaches
+    either side). Each host's workers wait in their collective until
+    trainer.collective_timeout_minutes (15 s here), then say so in one line; each agent
+    restarts them (MAX_RESTARTS=1) into a new rendezvous round the other host cannot join,
+    and after RDZV_TIMEOUT stops with one line of its own: both hosts are done within the
+    two timeouts. Link back up, started again, the job resumes from the newest snapshot."""
+    refused = short_collective_timeout_refused()
+    if refused:
+        pytest.skip(f"a collective timeout of seconds is refused on this code: {refused}")
+    timeout = 20
+    run_dir = tmp_path / "run"
+    with Network() as net:
+        a, b = net.hosts
+        common = dict(HEAD_NODE=a.addr, NNODES="2", RDZV_PORT=str(free_port()), RDZV_TIMEOUT=str(timeout),
+                      MAX_RESTARTS="1", RUN_ID="partition")
+        args = tiny(small_corpus, run_dir, "trainer.max_steps=100000", "trainer.log_every=2",
+                    "trainer.snapshot_every_steps=4", *COLLECTIVE_TIMEOUT)
+        machines = [Machine(tmp_path, "a", a, args, **common), Machine(tmp_path, "b", b, args, **common)]
+
+        def saved() -> bool:
+            for m in machines:
+                assert m.proc.poll() is None, f"{m.name} ended before the first snapshot:\n{m.text()}"
+            return newest_snapshot_step(run_dir) >= 4
+
+        wait_for(saved, 240, "snapshot")
+        before = [len(m.text()) for m in machines]
+        cut = time.monotonic()
+        net.link(up=False)
+        codes = [m.wait(15 + timeout + 120) for m in machines]
+        elapsed = time.monotonic() - cut
+        for m, code, start in zip(machines, codes, before):
+            after = m.text()[start:]
+            assert code != 0, after
+            assert_no_wall(after)
+            errors = error_lines(after)
+            assert 1 <= len(errors) <= 2, after  # the workers' line (when they got to it), the agent's
+            assert f"rendezvous at {a.addr}:{common['RDZV_PORT']}" in errors[-1], errors
+            assert len(errors) == 1 or "lost contact with the other ranks" in errors[0], errors
+        assert elapsed < 15 + timeout + 60, f"{elapsed:.0f} s"
+
+        net.link(up=True)
+        resume_at = newest_snapshot_step(run_dir)
+        args = tiny(small_corpus, run_dir, f"trainer.max_steps={resume_at + 4}", "trainer.log_every=2",
+                    "trainer.snapshot_every_steps=4", *COLLECTIVE_TIMEOUT)
+        common["RDZV_PORT"] = str(free_port())
+        again = [Machine(tmp_path, "a-again", a, args, **common), Machine(tmp_path, "b-again", b, args, **common)]
+        codes = [m.wait(240) for m in again]
+    out = "".join(m.text() for m in again)
+    assert codes == [0, 0], out
+    assert re.search(rf"resumed from \S+: epoch \d+, step {resume_at}\b", out), out
+    assert f"done: step {resume_at + 4}" in out, out
