@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY
+from conftest import PYTHON, REPO, TINY
 from netns_hosts import Network
 
 pytestmark = pytest.mark.slow
@@ -300,3 +300,76 @@ def test_a_link_that_goes_down_mid_run_stops_both_hosts_in_one_line_each_and_a_r
     assert codes == [0, 0], out
     assert re.search(rf"resumed from \S+: epoch \d+, step {resume_at}\b", out), out
     assert f"done: step {resume_at + 4}" in out, out
+
+
+def torchrun_on(host, head, port: int, *args: str, out_path: Path) -> subprocess.Popen:
+    """One worker on `host` in a two-host torchrun job (c10d rendezvous at `head`), its
+    collectives on the link's interface, as launch/multinode.sh would set it up."""
+    cmd = host.cmd(PYTHON, "-m", "mingpt_ddp.torchrun", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint={head.addr}:{port}", f"--rdzv_id=bench-{port}", f"--local-addr={host.addr}",
+                   "--max-restarts=0", "-m", "mingpt_ddp.bench", *args)
+    with open(out_path, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                env=machine_env(GLOO_SOCKET_IFNAME=host.dev))
+
+
+def across(net: Network, tmp_path: Path, name: str, *args: str) -> str:
+    a, _ = net.hosts
+    port = free_port()
+    procs = [torchrun_on(h, a, port, *args, out_path=tmp_path / f"{name}-{i}.log") for i, h in enumerate(net.hosts)]
+    codes = [p.wait(timeout=300) for p in procs]
+    out = "".join((tmp_path / f"{name}-{i}.log").read_text() for i in range(2))
+    assert codes == [0, 0], out
+    return out
+
+
+def test_busbw_on_the_shaped_link_and_ddp_step_time_against_its_projection(namespaces_available, tmp_path,
+                                                                             small_corpus):
+    """The link shaped to 100 Mbit/s (tc tbf; netem's delay too where the kernel has it):
+    `bench comm` across the two hosts reports a busbw near the link's rate (a two-rank ring
+    all_reduce sends every byte once each way: busbw = algbw, capped by the link) and gloo on
+    the link's interface as the transport. Given a one-process `bench train` (the compute),
+    it projects DDP's step time to N hosts of this link; DDP across the two hosts, its
+    gradient all_reduce overlapped with the backward in small buckets, then takes at least
+    the time the link needs for the gradients, and about the projected time."""
+    rate_mbit = 100.0
+    link_GBps = rate_mbit / 8 / 1000
+    train = [*TINY, f"data.path={small_corpus}", "trainer.ddp_bucket_cap_mb=0.1", "steps=12", "warmup=3"]
+    compute_json = tmp_path / "compute.json"
+    alone = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "train", *train, f"out={compute_json}"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300, env=machine_env())
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+
+    with Network(rate_mbit=rate_mbit, delay_ms=1) as net:
+        a, b = net.hosts
+        comm_out = across(net, tmp_path, "comm", "comm", "min_bytes=16KB", "max_bytes=2MB", "iters=5", "warmup=2",
+                          f"project={compute_json}", "hosts=2,4,8", f"out={tmp_path / 'comm.json'}")
+        across(net, tmp_path, "ddp", "train", *train, f"out={tmp_path / 'ddp.json'}")
+        shaping = net.shaping
+    comm = json.loads((tmp_path / "comm.json").read_text())
+    ddp = json.loads((tmp_path / "ddp.json").read_text())
+    compute = json.loads(compute_json.read_text())
+
+    busbw = comm["rows"][-1]["busbw_GBps"]
+    print(f"\nlink: {shaping}\nbusbw {busbw * 1e3:.2f} MB/s at {comm['rows'][-1]['size']:,} bytes over a "
+          f"{rate_mbit:g} Mbit/s link ({link_GBps * 1e3:.2f} MB/s): {busbw / link_GBps:.0%} of its rate")
+    assert 0.5 * link_GBps < busbw <= 1.05 * link_GBps, comm_out
+    assert sorted(t["gloo_socket_ifname"] for t in comm["transport"]) == sorted([a.dev, b.dev]), comm["transport"]
+    assert f"on interface {a.dev} (GLOO_SOCKET_IFNAME)" in comm_out, comm_out
+
+    projected = {p["hosts"]: p for p in comm["projection"]["hosts"]}
+    assert sorted(projected) == [2, 4, 8], projected
+    for n in (2, 4, 8):
+        assert re.search(rf"^at {n} hosts of this link, step = compute \+ exposed comm = [\d.]+ \+ [\d.]+ = [\d.]+ ms",
+                         comm_out, re.M), comm_out
+    gradients = compute["state_bytes_whole_model"]["gradients"]
+    measured = ddp["ms_per_step_median"]
+    link_bound_ms = 1e3 * gradients / (link_GBps * 1e9)  # every gradient byte crosses the link each way once
+    print(f"DDP over the link: {measured:.1f} ms/step measured (median of {ddp['steps']}), "
+          f"{projected[2]['step_ms']:.1f} ms projected (compute {projected[2]['compute_ms']:.1f} + exposed comm "
+          f"{projected[2]['exposed_ms']:.1f}; all_reduce {projected[2]['comm_ms']:.1f} ms in "
+          f"{projected[2]['buckets']} buckets); the link alone needs {link_bound_ms:.1f} ms for "
+          f"{gradients:,} gradient bytes; other processes kept "
+          f"{100 * (ddp.get('other_cpu_busy') or 0):.0f}% of the cores busy")
+    assert measured >= 0.9 * link_bound_ms, (measured, link_bound_ms)
+    assert projected[2]["step_ms"] / 3 < measured < 3 * projected[2]["step_ms"], (measured, projected[2])
