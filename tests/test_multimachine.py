@@ -164,3 +164,18 @@ def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path
     assert "firewall" in message and "NCCL_SOCKET_IFNAME" in message, err
     assert "training" not in proc.stdout + err  # it never started torchrun
     assert not re.search(r"Traceback", err), err
+
+
+def test_preflight_reports_what_the_workers_see_and_their_transport(tmp_path):
+    """PREFLIGHT=only: each node's line gives the FI_*/NCCL_* variables as the workers see
+    them (a value set outside the launcher, as a container image's ENV, included), and the
+    comm sweep names each rank's transport (here gloo on the interface that reaches
+    HEAD_NODE, loopback)."""
+    proc = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env=machine_env(PREFLIGHT="only", NPROC_PER_NODE="2", RDZV_PORT=str(free_port()),
+                                          PREFLIGHT_MAX_BYTES="64KB", FI_PROVIDER="tcp", EFA="0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    node = next(line for line in out.splitlines() if line.startswith("preflight: node "))
+    assert "workers see: FI_PROVIDER=tcp GLOO_SOCKET_IFNAME=lo NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME==lo" in node, node
+    assert re.search(r"# transport, rank\(s\) 0,1 on \S+: gloo over TCP on interface lo \(GLOO_SOCKET_IFNAME\)", out), out
