@@ -18,6 +18,12 @@
 #   NPROC_PER_NODE  workers on this node [the GPUs this node may use (CUDA_VISIBLE_DEVICES,
 #                   else `nvidia-smi -L`); with no GPU: 1]. Set it to use fewer GPUs, or
 #                   several CPU workers.
+#   DEVICE          auto / gpu / cpu [auto: the GPUs this job sees, else CPU workers; but a
+#                   node with GPUs of which the job sees none is refused (a Slurm job that
+#                   asked for no GPU), one line]. gpu: refuse without GPUs. cpu: train on
+#                   CPUs on purpose (the workers see no GPU).
+#   GPU_INVENTORY   directory listing the node's GPUs, one entry each, whatever the job may
+#                   use [/proc/driver/nvidia/gpus; under Slurm, else the node's Gres]
 #   HEAD_NODE       address or name of the node that hosts the rendezvous [Slurm: the first
 #                   node of the job, `scontrol show hostnames $SLURM_JOB_NODELIST | head -1`;
 #                   otherwise 127.0.0.1]
@@ -134,13 +140,43 @@ count_gpus() {
     echo 0
   fi
 }
+# The node's GPUs, whatever this job may use: the NVIDIA driver lists each one in
+# GPU_INVENTORY (cgroups and CUDA_VISIBLE_DEVICES do not hide them there); Slurm's node
+# record (Gres=gpu:...) where the driver's list cannot be read.
+node_gpus() {
+  local dir=${GPU_INVENTORY:-/proc/driver/nvidia/gpus} n=0 gres entry gpu_re='^gpu(:[^:(]+)?:([0-9]+)'
+  [ -d "$dir" ] && n=$(find "$dir" -mindepth 1 -maxdepth 1 | wc -l)
+  if ((n == 0)) && ((in_slurm)) && command -v scontrol >/dev/null 2>&1; then
+    gres=$(scontrol show node -o "${SLURMD_NODENAME:-$host}" 2>/dev/null | sed -n 's/.*[[:space:]]Gres=\([^[:space:]]*\).*/\1/p')
+    for entry in ${gres//,/ }; do  # gpu:h100:8(S:0-1)
+      [[ $entry =~ $gpu_re ]] && n=$((n + BASH_REMATCH[2]))
+    done
+  fi
+  echo "$n"
+}
+DEVICE=${DEVICE:-auto}
+case "$DEVICE" in
+  auto|gpu) ;;
+  cpu) export CUDA_VISIBLE_DEVICES="" ;;  # on purpose: the workers see no GPU
+  *) die "DEVICE=$DEVICE: give auto (GPUs when the job has them), gpu or cpu" ;;
+esac
 gpus=$(count_gpus)
+if ((gpus == 0)) && [ "$DEVICE" != cpu ]; then
+  # A job that was given none of its node's GPUs (Slurm with cgroup device isolation, and no
+  # GPU request) would otherwise train on one CPU worker without a word.
+  inventory=$(node_gpus)
+  if ((inventory > 0)); then
+    die "node ${SLURMD_NODENAME:-$host} has $inventory GPU(s) but this job sees none (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}): it would train on CPU. Ask for them (sbatch or srun --gpus-per-node=$inventory; an --exclusive job's step gets them only when it asks, as train.sbatch does), or set DEVICE=cpu to train on CPUs on purpose"
+  elif [ "$DEVICE" = gpu ]; then
+    die "DEVICE=gpu but no GPU is visible on ${SLURMD_NODENAME:-$host} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, nvidia-smi -L lists none)"
+  fi
+fi
 if [ -n "${NPROC_PER_NODE:-}" ]; then
   workers=$NPROC_PER_NODE; workers_from="NPROC_PER_NODE"
 elif ((gpus > 0)); then
   workers=$gpus; workers_from="GPUs"
 else
-  workers=1; workers_from="no GPU: 1 CPU worker; set NPROC_PER_NODE for more"
+  workers=1; workers_from="$( [ "$DEVICE" = cpu ] && echo "DEVICE=cpu" || echo "no GPU"): 1 CPU worker; set NPROC_PER_NODE for more"
 fi
 [[ $workers =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE=$workers: give a positive number of workers"
 device=$( ((gpus > 0)) && echo "$gpus GPU(s)" || echo "cpu" )

@@ -232,7 +232,9 @@ def cli() -> None:
         if line is None:
             raise
         say(line)
-        sys.exit(RDZV_FAILED_EXIT)
+        # Every worker refused its input (ConfigError's 2): so does this node, e.g. for
+        # train.sbatch, which does not requeue bad input.
+        sys.exit(2 if all(f.exitcode == 2 for f in exc.failures.values()) else RDZV_FAILED_EXIT)
 
 
 if __name__ == "__main__":
