@@ -23,7 +23,8 @@ import atexit, json, os, socket, sys
 _dir = os.environ.get("MINGPT_RANK_PROBE")
 def _record():
     if _dir and "RANK" in os.environ and sys.argv and sys.argv[0].endswith("main.py"):
-        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MACHINE")
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MACHINE", "MASTER_ADDR",
+                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
         with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)
 atexit.register(_record)
