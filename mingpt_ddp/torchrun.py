@@ -30,6 +30,7 @@ Takes exactly torchrun's arguments. Differences:
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
 import socket
@@ -210,6 +211,9 @@ def cli() -> None:
     from torch.distributed.run import parse_args, run
 
     args = parse_args(sys.argv[1:])
+    # On the failure paths the rendezvous logs warnings ("failed to shutdown the rendezvous ...
+    # RendezvousConnectionError") that the one line below says better.
+    logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
     try:
         store = host_rendezvous_if_local(args)  # noqa: F841  (kept alive while the agent runs)
         watch_rendezvous_host(args)

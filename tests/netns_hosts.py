@@ -36,10 +36,14 @@ class Host:
     ns: str
     dev: str
     addr: str
+    core: Optional[int] = None
 
     def cmd(self, *argv: str) -> list[str]:
-        """`argv` run on this host (in its namespace)."""
-        return ["ip", "netns", "exec", self.ns, *argv]
+        """`argv` run on this host: in its namespace, on its own core where it has one (a
+        host is one core: the trainer, reading its affinity, runs one thread, and two hosts'
+        threads do not fight over the same cores)."""
+        pin = ["taskset", "-c", str(self.core)] if self.core is not None else []
+        return ["ip", "netns", "exec", self.ns, *pin, *argv]
 
     def pids(self) -> list[int]:
         out = _ip("netns", "pids", self.ns, check=False).stdout.split()
@@ -52,7 +56,10 @@ class Network:
     def __init__(self, rate_mbit: Optional[float] = None, delay_ms: Optional[float] = None):
         self.rate_mbit, self.delay_ms = rate_mbit, delay_ms
         tag = f"{os.getpid()}x{next(_counter)}"  # interface names: 15 characters at most
-        self.hosts = [Host(f"{_PREFIX}-{tag}-{i}", f"m{tag}{'ab'[i]}", f"{SUBNET}.{i + 1}") for i in range(2)]
+        cores = os.cpu_count() or 1
+        pin = shutil.which("taskset") is not None and cores >= 2
+        self.hosts = [Host(f"{_PREFIX}-{tag}-{i}", f"m{tag}{'ab'[i]}", f"{SUBNET}.{i + 1}", i % cores if pin else None)
+                      for i in range(2)]
         self.shaping = "none"
 
     @staticmethod

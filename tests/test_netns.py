@@ -62,7 +62,10 @@ class Machine:
 
 
 def error_lines(text: str) -> list[str]:
-    return [line for line in text.splitlines() if re.search(r"\berror\b", line, re.I)]
+    """Lines that report an error: ours (`error: ...`) and torchrun's logged errors/warnings
+    that name one."""
+    return [line for line in text.splitlines()
+            if re.search(r"\berror:", line) or (re.match(r"[EW]\d{4} ", line) and re.search(r"error", line, re.I))]
 
 
 def assert_no_wall(text: str) -> None:
@@ -216,7 +219,7 @@ def test_a_host_whose_processes_die_mid_run_stops_the_survivor_in_one_line_and_a
         # One line per layer that gave up: the worker at its collective, then the agent.
         errors = error_lines(after)
         assert len(errors) == 2, after
-        assert "error: lost contact with the other ranks: Connection closed by peer" in errors[0], errors
+        assert "error: lost contact with the other ranks: " in errors[0], errors  # connection closed or reset
         assert f"error: the rendezvous at {a.addr}:{common['RDZV_PORT']}" in errors[1], errors
         assert elapsed < timeout + 60, f"{elapsed:.0f} s:\n{after}"
         assert_resumes(net, tmp_path, small_corpus, common)
