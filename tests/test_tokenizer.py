@@ -71,6 +71,19 @@ def test_bpe_round_trips_through_a_snapshot_dict_with_the_same_ids(bpe):
     assert tokenizer.fingerprint(again.to_dict()) == tokenizer.fingerprint(state)
 
 
+@pytest.mark.parametrize("vocab_size", [300, 2000])
+def test_bpe_encodes_as_hugging_faces_own_bpe_does(vocab_size):
+    """Encoding goes through tiktoken built from the trained vocabulary: the same tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    train = random_text(10, 20_000) + TEXT
+    tok = tokenizer.BpeTokenizer.train([train], vocab_size)
+    hf = HFTokenizer.from_str(tok.to_dict()["json"])
+    for seed in (11, 12):
+        text = random_text(seed, 3000)
+        assert tok.encode(text).tolist() == hf.encode(text, add_special_tokens=False).ids
+
+
 def test_bpe_is_trained_only_on_the_texts_it_is_given():
     tok = tokenizer.BpeTokenizer.train(["aaaa bbbb " * 200], 400)
     held_out = "zyzzyva quixotic " * 50
