@@ -44,7 +44,8 @@ class MetricsLog:
         if "train_loss" in record:
             self._show_progress(record)
         if record.get("val_loss") is not None:
-            self.note(f"step {record['step']} epoch {record['epoch']}: val_loss {record['val_loss']:.4f}")
+            bpb = f" | val_bpb {record['val_bpb']:.4f}" if record.get("val_bpb") is not None else ""
+            self.note(f"step {record['step']} epoch {record['epoch']}: val_loss {record['val_loss']:.4f}{bpb}")
 
     def _show_progress(self, r: dict[str, Any]) -> None:
         text = (

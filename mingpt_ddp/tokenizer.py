@@ -83,8 +83,12 @@ class Tokenizer:
         """The UTF-8 bytes token `token_id` stands for (b"" for a special token)."""
         raise NotImplementedError
 
+    eot_id: Optional[int] = None
+
     def decode(self, ids: Iterable[int]) -> str:
-        return decode_bytes(self.token_bytes(int(i)) for i in ids)
+        """The text of `ids`; <|endoftext|> shows as itself (a document boundary)."""
+        eot = EOT.encode()
+        return decode_bytes(eot if i == self.eot_id else self.token_bytes(i) for i in map(int, ids))
 
     def byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes per id (0 for special tokens), the weights of bits per byte."""
@@ -181,7 +185,31 @@ def _byte_of_char() -> dict[str, int]:
     return chars
 
 
-class BpeTokenizer(Tokenizer):
+class _TiktokenTokenizer(Tokenizer):
+    """What the two BPEs share: a tiktoken Encoding, each id's bytes, <|endoftext|>."""
+
+    def __init__(self, encoding, token_bytes: list[bytes], eot_id: int):
+        self.encoding, self._bytes, self.eot_id = encoding, token_bytes, eot_id
+        self._bytes[eot_id] = b""
+
+    @property
+    def size(self) -> int:
+        return len(self._bytes)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        dtype = self.dtype
+        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+        return [np.array(ids, dtype=dtype) for ids in batch]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    @property
+    def separator_ids(self) -> np.ndarray:
+        return np.array([self.eot_id], dtype=self.dtype)
+
+
+class BpeTokenizer(_TiktokenTokenizer):
     """A byte-level BPE in Hugging Face's tokenizer.json format (what snapshots store and
     export writes), encoded with tiktoken built from the same vocabulary: a token's rank
     is its id, the order its merge was learned in, and the pre-tokenization is the same,
@@ -198,15 +226,14 @@ class BpeTokenizer(Tokenizer):
         special = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
         if EOT not in special:
             raise ConfigError(f"this BPE tokenizer has no {EOT} token: it was not made by mingpt_ddp")
-        self.eot_id = special[EOT]
         ranks = {bytes(byte_of[c] for c in token): i for token, i in spec["model"]["vocab"].items()
                  if token not in special}
-        self._size = max([*ranks.values(), *special.values()]) + 1
-        self._bytes = [b""] * self._size
+        token_bytes = [b""] * (max([*ranks.values(), *special.values()]) + 1)
         for token, i in ranks.items():
-            self._bytes[i] = token
-        self.encoding = tiktoken.Encoding(f"mingpt-ddp-bpe-{self._size}", pat_str=GPT2_PATTERN,
-                                          mergeable_ranks=ranks, special_tokens=special)
+            token_bytes[i] = token
+        encoding = tiktoken.Encoding(f"mingpt-ddp-bpe-{len(token_bytes)}", pat_str=GPT2_PATTERN,
+                                     mergeable_ranks=ranks, special_tokens=special)
+        super().__init__(encoding, token_bytes, special[EOT])
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int) -> "BpeTokenizer":
@@ -228,22 +255,6 @@ class BpeTokenizer(Tokenizer):
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         hf.train_from_iterator(texts, trainer=trainer)
         return cls(hf.to_str())
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        dtype = self.dtype
-        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
-        return [np.array(ids, dtype=dtype) for ids in batch]
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
-
-    @property
-    def separator_ids(self) -> np.ndarray:
-        return np.array([self.eot_id], dtype=self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "bpe", "json": self.json}
@@ -296,32 +307,14 @@ def load_gpt2(download: bool) -> "Gpt2Tokenizer":
     return Gpt2Tokenizer(encoding)
 
 
-class Gpt2Tokenizer(Tokenizer):
+class Gpt2Tokenizer(_TiktokenTokenizer):
     kind = "gpt2"
 
     def __init__(self, encoding):
-        self.encoding = encoding
-        self.eot_id = encoding.eot_token
         if encoding.n_vocab != GPT2_VOCAB:
             raise ConfigError(f"tiktoken's {encoding.name} has {encoding.n_vocab} tokens, not GPT-2's {GPT2_VOCAB}")
-        self._bytes = [encoding.decode_single_token_bytes(i) for i in range(encoding.n_vocab)]
-        self._bytes[self.eot_id] = b""
-
-    @property
-    def size(self) -> int:
-        return self.encoding.n_vocab
-
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        dtype = self.dtype
-        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
-        return [np.array(ids, dtype=dtype) for ids in batch]
-
-    def token_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
-
-    @property
-    def separator_ids(self) -> np.ndarray:
-        return np.array([self.eot_id], dtype=self.dtype)
+        super().__init__(encoding, [encoding.decode_single_token_bytes(i) for i in range(encoding.n_vocab)],
+                         encoding.eot_token)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "gpt2", "encoding": "r50k_base", "sha256": GPT2_FILE_SHA256}
