@@ -375,6 +375,7 @@ class TokenFile:
     encode_s: Optional[float]  # None when an existing token file was reused
     tokenizer: Optional[str] = None  # bpe/gpt2: the tokenizer's file in <cache_dir>/tokens (tokenizer.to_dict as JSON)
     train_tokens: Optional[int] = None  # bpe/gpt2: tokens before the split (None: CharCorpus splits by val_fraction)
+    fingerprint: Optional[str] = None  # bpe/gpt2: tokenizer.fingerprint of the tokenizer
 
 
 def tokens_dir(cache_dir: Optional[str]) -> str:
@@ -575,7 +576,7 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
                  path, corpus_bytes / 1e6, f"{counts['length']:,}", tok.describe(), token_path, encode_s,
                  corpus_bytes / 1e6 / max(encode_s, 1e-9))
     return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
-                     encode_s, tokenizer_name, None if char else counts["train_tokens"])
+                     encode_s, tokenizer_name, None if char else counts["train_tokens"], None if char else fingerprint)
 
 
 def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
@@ -680,6 +681,12 @@ def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.Dist
     everyone = distributed.all_gather_object((platform.node(), made_here))
     reference = everyone[0][1]
     for host, made in everyone:
+        if made is not None and made.fingerprint != reference.fingerprint:
+            raise ConfigError(
+                f"node {host} encoded data.path={reference.corpus} with another tokenizer than rank 0 (a BPE trained "
+                "on its own copy of the text): put data.cache_dir on storage every node shares, or give every node "
+                "the same files"
+            )
         if made is not None and (made.chars, made.length, made.train_tokens) != (
                 reference.chars, reference.length, reference.train_tokens):
             raise ConfigError(

@@ -263,3 +263,42 @@ def test_a_shared_cache_is_encoded_once_by_one_of_two_nodes(tmp_path, small_corp
     assert len({line.split(" node ")[1] for line in made}) == 1, made  # both by the same node
     tokens = os.listdir(cache / "tokens")
     assert len([n for n in tokens if n.endswith(".uint16")]) == 1 and not [n for n in tokens if n.endswith(".lock")]
+
+
+# ---- the shared cache's lock ------------------------------------------------------------------
+def test_the_cache_lock_makes_a_second_process_wait_and_a_dead_ones_lock_is_taken_over(tmp_path, monkeypatch, caplog):
+    import threading
+    import time
+
+    events = []
+
+    def hold(name, seconds):
+        with token_cache.shared_cache_lock(str(tmp_path), "corpus.txt"):
+            events.append(f"{name} in")
+            time.sleep(seconds)
+            events.append(f"{name} out")
+
+    first = threading.Thread(target=hold, args=("first", 0.5))
+    first.start()
+    while not events:
+        time.sleep(0.01)
+    hold("second", 0)
+    first.join()
+    assert events == ["first in", "first out", "second in", "second out"]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".lock")]
+    # a lock nobody keeps fresh (its process was killed) is taken over
+    monkeypatch.setattr(token_cache, "LOCK_STALE_S", 1.0)
+    lock = tmp_path / f".{token_cache._digest('corpus.txt')}.lock"
+    lock.write_text("node9 pid 4242\n")
+    os.utime(lock, (time.time() - 5, time.time() - 5))
+    with caplog.at_level("WARNING", logger="mingpt_ddp.token_cache"):
+        hold("third", 0)
+    assert events[-2:] == ["third in", "third out"] and "node9 pid 4242" in caplog.text
+
+
+def test_the_final_evaluation_is_bounded_by_default_and_the_whole_split_on_request(small_corpus):
+    corpus = CharCorpus(small_corpus.read_text(encoding="utf-8"), 0.5)  # 20,000 characters: 1,249 windows of 16
+    trainer = make_trainer(corpus)  # batch 4, the default trainer.final_eval_batches
+    assert len(trainer.val_windows) == 1249
+    assert trainer.eval_windows(final=True) == 200 * 4
+    assert make_trainer(corpus, final_eval_batches=None).eval_windows(final=True) == 1249
