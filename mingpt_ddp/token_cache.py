@@ -530,12 +530,13 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
     started = time.perf_counter()
     meta_path = os.path.join(directory, key + ".json")
     meta = _read_json(meta_path)
-    if meta is None or "documents" not in meta:
+    chars_needed = how.kind == "char"  # the BPEs need only the count: collecting characters costs seconds per 100 MB
+    if meta is None or "documents" not in meta or (chars_needed and meta.get("chars") is None):
         log.info("data %s: reading %d file(s), %.1f MB, to count its characters", path, len(sources), corpus_bytes / 1e6)
-        found = encoding.scan(stream, collect_chars=True)
+        found = encoding.scan(stream, collect_chars=chars_needed)
         _unchanged(sources)
-        meta = {"format": FORMAT, "chars": found.distinct, "length": found.chars, "documents": found.documents,
-                "sources": [[s.name, s.size, s.version] for s in sources]}
+        meta = {"format": FORMAT, "chars": found.distinct if chars_needed else None, "length": found.chars,
+                "documents": found.documents, "sources": [[s.name, s.size, s.version] for s in sources]}
         storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
     split = encoding.train_chars(meta["length"], how.val_fraction)
 
