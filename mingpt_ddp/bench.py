@@ -470,7 +470,7 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     per_rank = samples / slowest
     # Every page of the token file read once by every rank (an epoch does as much): the
     # node's memory for the corpus is then what the ranks' mappings add up to.
-    trainer.corpus.tokens.max()  # (a sum would widen the whole corpus to int64 first)
+    trainer.corpus.tokens.numpy().max()  # (a sum would widen the whole corpus to int64; torch has no uint16 max)
     mapped = mapped_file_memory(os.path.join(token_cache.tokens_dir(cfg.data.cache_dir), token_file.name))
     node_pss = None
     if mapped is not None:
