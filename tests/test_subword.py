@@ -302,3 +302,21 @@ def test_the_final_evaluation_is_bounded_by_default_and_the_whole_split_on_reque
     assert len(trainer.val_windows) == 1249
     assert trainer.eval_windows(final=True) == 200 * 4
     assert make_trainer(corpus, final_eval_batches=None).eval_windows(final=True) == 1249
+
+
+def test_shards_on_s3_give_the_tokens_of_their_local_copies(shards, tmp_path, moto_s3):
+    from conftest import s3_options
+
+    root, docs = shards
+    moto_s3.make_bucket("corpora")
+    client = moto_s3.client()
+    for path in sorted(root.iterdir()):
+        client.put_object(Bucket="corpora", Key=f"fineweb/{path.name}", Body=path.read_bytes())
+    options = s3_options(moto_s3)
+    remote = token_cache.prepare("s3://corpora/fineweb/", None, options, str(tmp_path / "cache"), 0.0,
+                                 tokenization=token_cache.Tokenization(kind="bpe", vocab_size=300))
+    local = prepare(root, tmp_path / "local-cache", kind="bpe", vocab_size=300)
+    assert remote.length == local.length and remote.train_tokens == local.train_tokens
+    assert remote.fingerprint == local.fingerprint  # the same BPE from the same documents
+    assert torch.equal(token_cache.open_tokens(remote, str(tmp_path / "cache")),
+                       token_cache.open_tokens(local, str(tmp_path / "local-cache")))
