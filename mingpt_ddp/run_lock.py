@@ -70,6 +70,8 @@ REFUSE_AFTER_S = 2.0  # a kernel lock held this long by another process: a live 
 
 # flock failures that mean "this filesystem has no flock" (Lustre mounted noflock: ENOSYS).
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+# Hard links refused: the lease file is then created with O_EXCL.
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 # Disks only this machine sees: its kernel's lock reaches every process that can open the file.
 _LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "reiserfs",
                       "tmpfs", "ramfs", "overlay"}
@@ -254,7 +256,8 @@ if hasattr(os, "register_at_fork"):
 # Each returns the version it wrote (the record's bytes, an ETag), or None when the store
 # shows that someone else got there first.
 class _FileLease:
-    """A lease file: created whole by a hard link (which fails if the name exists), renewed
+    """A lease file: created whole by a hard link (which fails if the name exists; O_EXCL
+    where there are no hard links), renewed
     with os.replace after checking it is still ours, taken over by renaming the file aside
     and keeping it aside only if it is the very record that was judged (else it goes back).
     A version is the record's bytes (its token and heartbeat make it unique): an inode
@@ -286,8 +289,24 @@ class _FileLease:
             os.link(tmp, self.path)
         except FileExistsError:
             return None
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            return self._create_exclusive(blob)
         finally:
             os.unlink(tmp)
+        return blob
+
+    def _create_exclusive(self, blob: bytes) -> Optional[bytes]:
+        """Without hard links: O_EXCL, then the record (a reader meanwhile sees it empty and waits)."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
         return blob
 
     def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
@@ -311,14 +330,23 @@ class _FileLease:
             with open(aside, "rb") as f:
                 judged = f.read() == version
             if not judged:  # changed since it was judged: put it back
-                try:
-                    os.link(aside, self.path)
-                except FileExistsError:
-                    pass  # a third run created one meanwhile; the owner finds its lease gone
+                self._put_back(aside)
                 return None
         finally:
-            os.unlink(aside)
+            if os.path.lexists(aside):
+                os.unlink(aside)
         return self.create(blob)
+
+    def _put_back(self, aside: str) -> None:
+        try:
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass  # a third run created one meanwhile; the owner finds its lease gone
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            if not os.path.lexists(self.path):
+                os.rename(aside, self.path)
 
     def remove(self, version: Optional[bytes]) -> None:
         if self.read()[0] == version:
@@ -441,7 +469,7 @@ class RunLock:
         mine = job_instance()
         same_job = (mine["slurm_job"] and isinstance(owner.get("instance"), dict)
                     and owner["instance"].get("slurm_job") == mine["slurm_job"])
-        step_hint = (f"; two live steps of one Slurm job are two runs: give each srun step its own hydra.run.dir"
+        step_hint = ("; two live steps of one Slurm job are two runs: give each srun step its own hydra.run.dir"
                      if same_job else "")
         ends = ("The lock is released the moment that run ends or dies" if kernel else
                 "A run that died without cleaning up stops blocking once its process is gone (same machine) or its "

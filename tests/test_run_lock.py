@@ -117,9 +117,19 @@ def holding(url, options=None, env=None, namespace=False, log=None):
         proc.wait()
 
 
+def dead_pid() -> int:
+    child = subprocess.Popen([PYTHON, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
 def no_flock(fd, operation):
     """fcntl.flock as on a filesystem without it (Lustre mounted with noflock)."""
     raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def no_links(source, target):
+    raise OSError(errno.EPERM, "Operation not permitted")
 
 
 def can_make_pid_namespaces():
@@ -157,6 +167,12 @@ def test_a_live_run_is_refused_a_dead_one_replaced_and_the_lock_removed_at_the_e
         lock.release()
     write_owner(url, job="slurm job 77")  # alive on another machine (recent heartbeat)
     with pytest.raises(ConfigError, match="host elsewhere, pid 4242, slurm job 77"):
+        new_lock(url).acquire()
+    # This host's name and a pid that is not running here, but no boot id and PID namespace
+    # of ours (another container with host networking): the pid proves nothing, the
+    # heartbeat is recent.
+    write_owner(url, host=socket.gethostname(), pid=dead_pid())
+    with pytest.raises(ConfigError, match=f"host {socket.gethostname()}, pid"):
         new_lock(url).acquire()
 
 
@@ -243,7 +259,7 @@ def test_s3_lease_of_the_same_job_is_taken_over_only_by_a_later_restart(moto_s3,
 
 
 # ---- item 3: taking over a stale lock is atomic ---------------------------------------------
-@pytest.mark.parametrize("where", ["local", "local-without-flock",
+@pytest.mark.parametrize("where", ["local", "local-without-flock", "local-without-flock-or-links",
                                    pytest.param("moto_s3", marks=pytest.mark.slow),
                                    pytest.param("seaweedfs", marks=pytest.mark.slow)])
 def test_two_runs_taking_over_one_stale_lock_leave_one_holder(where, tmp_path, request, no_job):
@@ -252,8 +268,10 @@ def test_two_runs_taking_over_one_stale_lock_leave_one_holder(where, tmp_path, r
     from mingpt_ddp.errors import ConfigError
     from mingpt_ddp.run_lock import RunLock
 
-    if where == "local-without-flock":  # as on Lustre mounted without flock
+    if where.startswith("local-without-flock"):  # as on Lustre mounted without flock
         no_job.setattr(fcntl, "flock", no_flock)
+        if where.endswith("-or-links"):  # and a FUSE or SMB mount without hard links
+            no_job.setattr(os, "link", no_links)
         where = "local"
     url, options = where_to_lock(where, tmp_path, request)
     write_owner(url, options, heartbeat=time.time() - 3600)
@@ -310,6 +328,8 @@ def test_s3_lease_writes_are_conditional_as_the_server_receives_them(moto_s3, no
         assert second and all(r["headers"].get("if-none-match") == "*" and r["status"] == 412 for r in second)
         assert read_owner(url, options)["token"] == first.token  # nothing overwritten
         first.release()
+        with pytest.raises(FileNotFoundError):  # removed at the end
+            read_owner(url, options)
 
         stale = write_owner(url, s3_options(moto_s3), heartbeat=time.time() - 3600)  # past the proxy
         etag = moto_s3.client().head_object(Bucket=url.split("/")[2], Key="run/.snapshot.lock")["ETag"]
