@@ -177,7 +177,9 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     try:
         from_ddp = distributed.on_main_then_share(
             lambda: fsdp_continues_ddp_snapshots(cfg, store, snapshot_options), dist)
-        return _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None)
+        outcome = _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None, lock)
+        distributed.on_main_then_share(lock.raise_if_lost, dist)  # lost after the last stop agreement
+        return outcome
     finally:
         lock.release()
 
@@ -200,8 +202,10 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
 
 
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
-                     ddp_files: Optional[SnapshotStore] = None) -> tuple[str, Optional[float], str]:
-    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from."""
+                     ddp_files: Optional[SnapshotStore] = None,
+                     lock: Optional[RunLock] = None) -> tuple[str, Optional[float], str]:
+    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from;
+    `lock`: the run lock rank 0 holds (losing it stops the run)."""
     found = load_agreed_snapshot(ddp_files or store, dist)
 
     corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
@@ -247,7 +251,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             saver = parallel.ShardedSaver(store)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
-        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata)
+        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock)
         if found is not None:
             if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
                 shards = trainer.strategy.state_dicts(trainer.optimizer)

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Mapping, Optional, TypeVar
 from urllib.parse import urlsplit
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -72,7 +73,7 @@ def filesystem(url: str, options: Optional[Mapping[str, Any]] = None):
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
         # Only the backend: `pip install -e '.[s3]'` would also re-resolve torch (in an image, replace it).
-        hint = (f"{sys.executable} -m pip install 's3fs>=2023.6'" if scheme in ("s3", "s3a")
+        hint = (f"{sys.executable} -m pip install 's3fs>=2024.12' 'aiobotocore>=2.16'" if scheme in ("s3", "s3a")
                 else f"install the fsspec backend for {scheme}://")
         raise ConfigError(f"cannot open {url}: {exc}: {hint}") from None
     except (ValueError, TypeError) as exc:
@@ -91,6 +92,60 @@ OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"
 def is_object_store(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+
+def is_s3(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"s3", "s3a"}.intersection(protocols)) and hasattr(fs, "call_s3")
+
+
+# ---- conditional writes on S3 (the run lease, run_lock.py) ------------------------------------
+def s3_put_parameters() -> set[str]:
+    """The PutObject parameters the installed botocore can send. If-None-Match and If-Match
+    came with botocore 1.35.74 (aiobotocore 2.16); an older one cannot send them."""
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("s3")
+    return set(model.operation_model("PutObject").input_shape.members)
+
+
+def s3_read(fs, path: str) -> tuple[Optional[bytes], Optional[str]]:
+    """An object's bytes and the ETag of exactly those bytes (one GET); (None, None) if absent."""
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> tuple[bytes, str]:
+        reply = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = reply["Body"]
+        try:
+            return await body.read(), reply["ETag"]
+        finally:
+            body.close()
+
+    try:
+        return fsspec.asyn.sync(fs.loop, get)
+    except FileNotFoundError:
+        return None, None
+
+
+def s3_put_if(fs, path: str, data: bytes, if_match: Optional[str] = None) -> Optional[str]:
+    """PUT `data` only if the object is absent (``If-None-Match: *``) or, given `if_match`,
+    still has that ETag (``If-Match``). Its new ETag, or None when the condition failed: the
+    server's 412, AWS's 409 for a concurrent conditional write, or (If-Match) no object."""
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
+    try:
+        return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+    except FileExistsError:  # s3fs's name for a 412 that names If-None-Match
+        return None
+    except FileNotFoundError:
+        if if_match:
+            return None
+        raise
+    except OSError as exc:
+        status = getattr(exc.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status in (409, 412):
+            return None
+        raise
 
 
 # ---- retries ----------------------------------------------------------------------------
