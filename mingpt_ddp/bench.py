@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import config, distributed
+from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
@@ -99,6 +99,7 @@ def compose(overrides: list[str]):
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="bench"):
         cfg = hydra_compose("config", overrides=overrides)
     config.validate(cfg)
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     return cfg
 
 

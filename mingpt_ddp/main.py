@@ -68,7 +68,6 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
     sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's) gives
     the ids instead of the text's own characters. Returns the corpus and its token file."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
-    storage.remember_secrets(storage.secret_option_values(options))
     made: list[token_cache.TokenFile] = []
     distributed.on_main_then_share(
         lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
@@ -159,7 +158,6 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
-    storage.remember_secrets(storage.secret_option_values(snapshot_options))
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
     store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
@@ -323,10 +321,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     started = time.time()
     try:
-        storage.redact_logs()
-        # Before anything else: Hydra has just written .hydra/ from the raw config.
-        storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        storage.scrub_url_secrets(_hydra_files_dirs())  # a presigned data URL is read, never stored
+        # Before anything else (Hydra has just written .hydra/ from the raw config): the one
+        # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
+        storage.resolve_secrets(cfg, _hydra_files_dirs())
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)

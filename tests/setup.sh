@@ -11,8 +11,9 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-# Every tracker (logger=...) and export format, so that their tests run rather than skip.
-"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors]"
+# Every tracker (logger=...), export format and data source (http: aiohttp), so that their
+# tests run rather than skip.
+"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors,http]"
 
 # S3: s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that
 # lags the newest boto3. Resolve s3fs first, then add the test servers (moto's, and
