@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import config, distributed
+from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
@@ -93,7 +93,9 @@ def parse_bytes(text: str) -> int:
 
 
 def compose(overrides: list[str]):
-    return config.compose(overrides, job_name="bench")
+    cfg = config.compose(overrides, job_name="bench")
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
+    return cfg
 
 
 def build_trainer(cfg, dist, saver=None):

@@ -67,8 +67,10 @@ class DataConfig:
     path: str = "data/tinyshakespeare.txt"
     block_size: int = 128
     val_fraction: float = 0.1
-    # Where to fetch the corpus when `path` does not exist; null never downloads.
-    download_url: Optional[str] = TINY_SHAKESPEARE_URL
+    # Where to fetch the corpus when `path` does not exist; null never downloads. A preset
+    # ties its URL to its own path (${mingpt_download_for:...}): another path downloads
+    # only with a download_url of its own.
+    download_url: Optional[str] = None
     # fsspec options for a remote `path` (endpoint, profile, ...); secrets only from the
     # environment: ${oc.env:VAR}, never written literally (see storage.py).
     storage_options: Dict[str, Any] = field(default_factory=dict)
@@ -240,14 +242,23 @@ def _hydra_output_subdir() -> Optional[str]:
     return ".hydra" if _is_main_process() else None
 
 
+def download_for(path: Any, own_path: Any, url: Any) -> Optional[str]:
+    """A data preset's download_url, ``${mingpt_download_for:${.path},<its path>,<its URL>}``:
+    the URL while data.path is the preset's own path, else null. So a mistyped data.path
+    is an error naming it, never a file filled with the preset's corpus and trained on."""
+    return str(url) if os.path.normpath(str(path)) == os.path.normpath(str(own_path)) else None
+
+
 def register() -> None:
-    """Register the schema and the resolvers that conf/config.yaml uses."""
+    """Register the schema and the resolvers that conf/ uses."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for name, resolver in (("run_id", run_id), ("hydra_output_subdir", _hydra_output_subdir)):
         if not OmegaConf.has_resolver(name):
             # Cached: a run id must not change between two reads in one process.
             OmegaConf.register_new_resolver(name, resolver, use_cache=True)
+    if not OmegaConf.has_resolver("mingpt_download_for"):
+        OmegaConf.register_new_resolver("mingpt_download_for", download_for)
 
 
 def _positive(value: Any, name: str, fix: str) -> None:

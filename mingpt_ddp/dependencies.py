@@ -14,7 +14,7 @@ PACKAGES = {
     "hydra": "hydra-core>=1.3",
     "omegaconf": "omegaconf>=2.3",
     "fsspec": "fsspec>=2023.6",
-    "s3fs": "s3fs>=2023.6",
+    "s3fs": "s3fs>=2024.12",
     "torch": "torch>=2.4",
     "numpy": "numpy",
     "yaml": "PyYAML",

@@ -110,6 +110,23 @@ def read_topology() -> tuple[int, int, int, int]:
     return 0, 0, 1, 1
 
 
+def node_id() -> str:
+    """Which node (in the sense of LOCAL_RANK: the processes one launcher started) this
+    process belongs to: torchrun's agent (GROUP_RANK), Slurm's node (SLURM_NODEID), else
+    the host and its boot. Host names alone are shared by containers with host networking
+    and are generic in many images."""
+    if os.environ.get("GROUP_RANK", "") != "" and "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun-agent-{os.environ['GROUP_RANK']}"
+    if os.environ.get("SLURM_NODEID", "") != "" and "SLURM_PROCID" in os.environ:
+        return f"slurm-node-{os.environ['SLURM_NODEID']}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
 def pick_device(local_rank: int) -> tuple[torch.device, str]:
     """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with gloo.
 

@@ -78,7 +78,6 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, voc
     characters) or `tokenizer_state` (a snapshot's BPE or GPT-2 tokenizer) gives the ids
     instead of data.tokenizer's own. Returns the corpus, its token file and its tokenizer."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
-    storage.remember_secrets(storage.secret_option_values(options))
     made: list[token_cache.TokenFile] = []
     distributed.on_main_then_share(
         lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
@@ -187,7 +186,6 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
-    storage.remember_secrets(storage.secret_option_values(snapshot_options))
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
     store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
@@ -205,7 +203,9 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     try:
         from_ddp = distributed.on_main_then_share(
             lambda: fsdp_continues_ddp_snapshots(cfg, store, snapshot_options), dist)
-        return _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None)
+        outcome = _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None, lock)
+        distributed.on_main_then_share(lock.raise_if_lost, dist)  # lost after the last stop agreement
+        return outcome
     finally:
         lock.release()
 
@@ -228,8 +228,10 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
 
 
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
-                     ddp_files: Optional[SnapshotStore] = None) -> tuple[str, Optional[float], str]:
-    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from."""
+                     ddp_files: Optional[SnapshotStore] = None,
+                     lock: Optional[RunLock] = None) -> tuple[str, Optional[float], str]:
+    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from;
+    `lock`: the run lock rank 0 holds (losing it stops the run)."""
     found = load_agreed_snapshot(ddp_files or store, dist)
     saved_tokenizer = None
     if found is not None:
@@ -282,7 +284,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             saver = parallel.ShardedSaver(store)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
-        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata,
+        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
                           token_bytes=torch.from_numpy(tok.byte_lengths()))
         if found is not None:
             if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
@@ -355,10 +357,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     started = time.time()
     try:
-        storage.redact_logs()
-        # Before anything else: Hydra has just written .hydra/ from the raw config.
-        storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        storage.scrub_url_secrets(_hydra_files_dirs())  # a presigned data URL is read, never stored
+        # Before anything else (Hydra has just written .hydra/ from the raw config): the one
+        # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
+        storage.resolve_secrets(cfg, _hydra_files_dirs())
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)

@@ -26,6 +26,7 @@ def prepare(overrides: list[str]) -> token_cache.TokenFile:
     from mingpt_ddp.main import tokenization
 
     cfg = config.compose(overrides, job_name="prepare")
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     options = storage.resolve_options(cfg.data.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
     return token_cache.prepare(cfg.data.path, cfg.data.download_url, options, cfg.data.cache_dir,

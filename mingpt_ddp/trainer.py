@@ -88,12 +88,14 @@ class Trainer:
         metrics: MetricsLog,
         saver: Optional[BackgroundSaver],
         snapshot_metadata: dict[str, Any],
+        run_lock: Any = None,
         token_bytes: Optional[torch.Tensor] = None,
     ):
         """`token_bytes`: UTF-8 bytes per token id, for val_bpb (tokenizer.byte_lengths();
         default: a character corpus's, from its vocabulary)."""
         self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
+        self.run_lock = run_lock  # rank 0's RunLock: its `lost` stops every rank at the next agreement
         self.device = dist.device
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
@@ -414,15 +416,21 @@ class Trainer:
 
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
         """One tiny all_reduce every `log_every` steps: did any rank get a stop signal (its
-        number, 0 if none), is a time-based snapshot due by rank 0's clock, and has rank 0's
-        saving failed for longer than trainer.save_retry_minutes? Every rank acts on the
-        same answer, so all stop after the same step."""
+        number, 0 if none), is a time-based snapshot due by rank 0's clock, has rank 0's
+        saving failed for longer than trainer.save_retry_minutes, has rank 0 lost the run
+        lock (then nothing more is saved)? Every rank acts on the same answer, so all stop
+        after the same step."""
         minutes = self.cfg.snapshot_every_minutes
         save_due = bool(minutes) and self.dist.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
         save_failed = self.saver is not None and self.saver.failed
-        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed)], device=self.device)
+        lock_lost = self.run_lock is not None and self.run_lock.lost is not None
+        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed), float(lock_lost)],
+                             device=self.device)
         distributed.all_reduce_max(flags)
-        stop_signal, save_due, save_failed = flags.tolist()
+        stop_signal, save_due, save_failed, lock_lost = flags.tolist()
+        if lock_lost:
+            lost = self.run_lock.lost if self.run_lock is not None else None
+            raise ConfigError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
         if save_failed:
             raise ConfigError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
         return int(stop_signal), save_due > 0
