@@ -18,7 +18,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
   peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
-            (when this node had no token file yet), start-up with the token file reused,
+            and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
+            training the BPE), start-up with the token file reused,
             peak RSS, and the node's memory for the corpus (PSS of the mapped token file
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
@@ -61,7 +62,6 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
@@ -93,12 +93,7 @@ def parse_bytes(text: str) -> int:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="bench"):
-        cfg = hydra_compose("config", overrides=overrides)
-    config.validate(cfg)
+    cfg = config.compose(overrides, job_name="bench")
     storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     return cfg
 
@@ -112,16 +107,17 @@ def build_trainer(cfg, dist, saver=None):
     from mingpt_ddp.model import GPT, GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
-    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
-    model_cfg = GPTConfig(vocab_size=corpus.vocab.size, block_size=cfg.data.block_size,
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
     model = GPT(model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
-    metadata = {"vocab": corpus.vocab.chars, "model_config": dict(vars(model_cfg)),
+    metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
+                "model_config": dict(vars(model_cfg)),
                 "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))}
-    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist,
-                   MetricsLog(None, enabled=False, total_steps=0), saver, metadata)
+    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, MetricsLog(None, enabled=False, total_steps=0),
+                   saver, metadata, token_bytes=torch.from_numpy(tok.byte_lengths()))
 
 
 def bench_run_settings(cfg, total_steps: int) -> None:
@@ -440,9 +436,10 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     steps = int(options["steps"] or 2000)
     bench_run_settings(cfg, steps)
     wait_until_quiet(float(options["wait_quiet"]), dist)
-    start = time.perf_counter()
-    _, token_file = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
+    start, cpu_start = time.perf_counter(), _own_cpu_seconds()
+    _, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
     first_load_s = time.perf_counter() - start
+    first_load_cpu_s = _own_cpu_seconds() - cpu_start  # all of this process's threads: robust to other jobs
     # A first Trainer takes the one-off costs of a process (peak FLOP/s, first kernels), the
     # same for any corpus; what follows is what differs between corpora when the token file exists.
     build_trainer(cfg, dist)
@@ -475,7 +472,7 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     per_rank = samples / slowest
     # Every page of the token file read once by every rank (an epoch does as much): the
     # node's memory for the corpus is then what the ranks' mappings add up to.
-    trainer.corpus.tokens.max()  # (a sum would widen the whole corpus to int64 first)
+    trainer.corpus.tokens.numpy().max()  # (a sum would widen the whole corpus to int64; torch has no uint16 max)
     mapped = mapped_file_memory(os.path.join(token_cache.tokens_dir(cfg.data.cache_dir), token_file.name))
     node_pss = None
     if mapped is not None:
@@ -491,8 +488,13 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         "epoch_start_ms": 1e3 * first_s,
         "corpus": cfg.data.path, "corpus_bytes": token_file.corpus_bytes,
         "token_file_bytes": token_file.length * np.dtype(token_file.dtype).itemsize, "token_dtype": token_file.dtype,
+        "tokenizer": tok.describe(), "bytes_per_token": token_file.corpus_bytes / token_file.length,
         "encoded": token_file.encode_s is not None, "first_load_s": first_load_s,
         "encode_MBps": token_file.corpus_bytes / 1e6 / token_file.encode_s if token_file.encode_s else None,
+        # the cores the encoding could use (char encodes on one; bpe and gpt2 on all of them)
+        "encode_cores": 1 if tok.kind == "char" else len(os.sched_getaffinity(0)),
+        # MB per second of CPU time (what one core does, whatever else shares the machine)
+        "encode_MB_per_cpu_s": token_file.corpus_bytes / 1e6 / first_load_cpu_s if token_file.encode_s else None,
         "cached_load_s": cached_load_s,
         # token file reused -> corpus mapped, Trainer built, first step's batches ready
         "startup_s": startup_s,
@@ -754,11 +756,13 @@ def report(mode: str, result: dict[str, Any]) -> None:
         )
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
         print_table(
-            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file "
-            f"({'encoded now' if result['encoded'] else 'reused'})",
-            ["encode MB/s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
+            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file, "
+            f"{result['tokenizer']}, {result['bytes_per_token']:.2f} bytes/token "
+            f"({'encoded now' if result['encoded'] else 'reused'}; encoding on {result['encode_cores']} core(s))",
+            ["encode MB/s", "MB/s per core", "MB per CPU-s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
              "map PSS MiB/node"],
-            [[result["encode_MBps"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
+            [[result["encode_MBps"], result["encode_MBps"] and result["encode_MBps"] / result["encode_cores"],
+              result["encode_MB_per_cpu_s"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
               mib(result["peak_rss_bytes"]), mib(result["token_map_rss_bytes"]),
               mib(result["node_token_map_pss_bytes"])]],
         )

@@ -37,6 +37,14 @@ class Precision(str, Enum):
     auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU the faster of fp32 and bf16, timed
 
 
+class TokenizerKind(str, Enum):
+    """How text becomes token ids (tokenizer.py)."""
+
+    char = "char"  # every distinct character is a token
+    bpe = "bpe"  # a byte-level BPE of data.vocab_size tokens trained on the training split
+    gpt2 = "gpt2"  # GPT-2's 50,257-token BPE (tiktoken)
+
+
 class Strategy(str, Enum):
     """How the model is spread over the ranks (parallel.py)."""
 
@@ -69,6 +77,14 @@ class DataConfig:
     # Where each node keeps its token file (and its copy of remote files); null: $MINGPT_DDP_CACHE, else
     # $XDG_CACHE_HOME/mingpt_ddp/data, else ~/.cache/mingpt_ddp/data.
     cache_dir: Optional[str] = None
+    # char | bpe | gpt2 (tokenizer.py); a resume keeps the snapshot's.
+    tokenizer: TokenizerKind = TokenizerKind.char
+    # Tokens of the byte-level BPE (data.tokenizer=bpe), learned from the training split.
+    vocab_size: int = 4096
+    # At most this many characters of the training split train the BPE.
+    tokenizer_train_chars: int = 100_000_000
+    # The text column of .parquet files, the text field of .jsonl(.gz) files.
+    text_column: str = "text"
 
 
 @dataclass
@@ -99,8 +115,9 @@ class TrainerConfig:
     # Validation batches per rank in a periodic evaluation (the first ones of the split):
     # seconds even on a big corpus. null: the whole split every time.
     eval_batches: Optional[int] = 100
-    # The same for the evaluation at the end of a run (its val_loss is the run's result).
-    final_eval_batches: Optional[int] = None
+    # The same for the evaluation at the end of a run (its val_loss is the run's result):
+    # the whole split of a text up to a few MB, bounded on a big corpus; null: the whole split.
+    final_eval_batches: Optional[int] = 200
     log_every: int = 10
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
@@ -182,6 +199,21 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
+    """The config main.py would run with these overrides (conf/ and the schema), checked:
+    for tools that are not a Hydra app (bench, prepare)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
+        cfg = hydra_compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
 def run_id() -> str:
     """A name for this run that every rank, and every restart of the job, agrees on.
 
@@ -247,6 +279,12 @@ def validate(cfg: Any) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _positive(d.block_size, "data.block_size", "set data.block_size=<context length, e.g. 128>")
+    if d.tokenizer == TokenizerKind.bpe and not 257 <= d.vocab_size <= 1 << 24:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} must be between 257 (the 256 bytes and <|endoftext|>) and "
+                          f"{1 << 24:,} for data.tokenizer=bpe, e.g. data.vocab_size=4096")
+    _positive(d.tokenizer_train_chars, "data.tokenizer_train_chars", "e.g. data.tokenizer_train_chars=100000000")
+    if not d.text_column:
+        raise ConfigError("data.text_column must name the text column of the .parquet / field of the .jsonl files")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.1)")
     _positive(o.lr, "optimizer.lr", "set optimizer.lr, e.g. optimizer.lr=6e-4")

@@ -26,6 +26,7 @@ Every rank then memory-maps the token file, so a node keeps one copy in its page
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
@@ -34,6 +35,7 @@ import os
 import platform
 import re
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -42,7 +44,7 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 import torch
 
-from mingpt_ddp import distributed, storage
+from mingpt_ddp import distributed, documents, encoding, storage, tokenizer
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -446,6 +448,9 @@ class TokenFile:
     encode_s: Optional[float]  # None when an existing token file was reused
     directory: str = ""  # <cache_dir>/tokens as the process that made it resolved it
     text_sha256: str = ""  # of the text: nodes must agree on it
+    tokenizer: Optional[str] = None  # bpe/gpt2: the tokenizer's file in <cache_dir>/tokens (tokenizer.to_dict as JSON)
+    train_tokens: Optional[int] = None  # bpe/gpt2: tokens before the split (None: CharCorpus splits by val_fraction)
+    fingerprint: Optional[str] = None  # bpe/gpt2: tokenizer.fingerprint of the tokenizer
 
 
 def tokens_dir(cache_dir: Optional[str]) -> str:
@@ -490,6 +495,22 @@ def _unchanged(sources: list[Source]) -> None:
             raise _changed(s)
 
 
+@dataclass(frozen=True)
+class Tokenization:
+    """How the corpus becomes ids (data.tokenizer and the keys that decide it)."""
+
+    kind: str = "char"
+    vocab_size: int = 4096  # bpe
+    train_chars: int = 100_000_000  # bpe: at most this much of the training split trains it
+    text_column: str = "text"  # .parquet / .jsonl files
+    val_fraction: float = 0.1  # bpe/gpt2: where the split falls decides the BPE and the ids
+    state: Optional[Mapping[str, Any]] = None  # a snapshot's tokenizer (tokenizer.to_dict): encode with exactly it
+    download: bool = False  # gpt2: fetch GPT-2's BPE file into tiktoken's cache when missing
+
+
+CHARS = Tokenization()
+
+
 def _read_json(path: str) -> Optional[dict]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -515,13 +536,24 @@ def _touch(path: str) -> None:
 
 
 def prepare(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
-            cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None) -> TokenFile:
+            cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None,
+            tokenization: Tokenization = CHARS) -> TokenFile:
     """This node's token file for `path`, encoded with `vocab` (default: the text's own
-    characters); made unless an identical one exists. Run by one process per node."""
-    sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
-    shown = storage.redact(path)
+    characters) or as `tokenization` says; made unless an identical one exists. Run by one
+    process per node; on a cache_dir all nodes share, one node makes it and the others
+    wait for it (shared_cache_lock)."""
     directory = tokens_dir(cache_dir)
     _check_writable(directory)
+    with shared_cache_lock(directory, storage.redact(path)):
+        sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
+        if tokenization.kind == "char" and all(documents.file_format(s.name) == documents.TEXT for s in sources):
+            return _prepare_characters(path, sources, directory, vocab)
+        return _prepare_documents(storage.redact(path), sources, directory, tokenization, vocab)
+
+
+def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
+    """Plain text files as characters: two fast passes over the bytes."""
+    shown = storage.redact(path)
     corpus_bytes = sum(s.size for s in sources)
     started = time.perf_counter()
 
@@ -585,6 +617,179 @@ def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
             pass
 
 
+def document_stream(sources: list[Source], text_column: str):
+    """The corpus as documents (each an iterable of text pieces), a new pass per call: a
+    text file is one document, a Parquet or JSON-lines file one per row."""
+    def stream():
+        for s in sources:
+            if documents.file_format(s.name) == documents.TEXT:
+                yield (data.decode("ascii") if text is None else text for data, text in text_chunks(s))
+            else:
+                yield from ((doc,) for doc in documents.read_documents(s.local, text_column, name=s.name))
+    return stream
+
+
+def _prepare_documents(path: str, sources: list[Source], directory: str, how: Tokenization,
+                       vocab: Optional[str]) -> TokenFile:
+    """Any tokenizer, any file format (encoding.py's passes). Cached: the scan of the corpus
+    (<key>.json), a trained BPE (<key>-bpe-<settings>.tokenizer.json, reused by every run
+    with the same settings), and the token file, named by the corpus, the tokenizer's
+    fingerprint and the split."""
+    names = _digest(["documents", *[s.name for s in sources]])
+    key = f"{names}-{_digest([FORMAT, how.text_column, [list(s.identity) for s in sources]])}"
+    stream = document_stream(sources, how.text_column)
+    corpus_bytes = sum(s.size for s in sources)
+    started = time.perf_counter()
+    meta_path = os.path.join(directory, key + ".json")
+    meta = _read_json(meta_path)
+    chars_needed = how.kind == "char"  # the BPEs need only the count: collecting characters costs seconds per 100 MB
+    if meta is None or "documents" not in meta or (chars_needed and meta.get("chars") is None):
+        log.info("data %s: reading %d file(s), %.1f MB, to count its characters", path, len(sources), corpus_bytes / 1e6)
+        found = encoding.scan(stream, collect_chars=chars_needed)
+        _unchanged(sources)
+        meta = {"format": FORMAT, "chars": found.distinct if chars_needed else None, "length": found.chars,
+                "documents": found.documents, "sources": [[s.name, s.size] for s in sources]}
+        storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
+    split = encoding.train_chars(meta["length"], how.val_fraction)
+
+    tok = _tokenizer_for(path, how, vocab, meta, stream, split, directory, key)
+    state = tok.to_dict()
+    fingerprint = tokenizer.fingerprint(state)
+    char = tok.kind == "char"
+    name = f"{key}-{tok.kind}-{fingerprint}" + ("" if char else f"-{_digest(how.val_fraction)}") + f".{tok.dtype.name}"
+    token_path = os.path.join(directory, name)
+    tokenizer_name = None
+    if not char:
+        tokenizer_name = f"{key}-{tok.kind}-{fingerprint}.tokenizer.json"
+        tokenizer_path = os.path.join(directory, tokenizer_name)
+        if not os.path.exists(tokenizer_path):
+            storage.write_local_atomically(tokenizer_path, lambda out: out.write(json.dumps(state).encode()))
+    counts_path = token_path + ".json"
+    encode_s = None
+    counts = _read_json(counts_path) if os.path.exists(token_path) else None
+    if counts is not None and os.path.getsize(token_path) != counts["length"] * tok.dtype.itemsize:
+        counts = None
+    if counts is not None:
+        log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{counts['length']:,}")
+    else:
+        log.info("data %s: encoding %.1f M characters with the %s tokenizer", path, meta["length"] / 1e6,
+                 tok.describe())
+        result = []
+        storage.write_local_atomically(token_path, lambda out: result.append(
+            encoding.write_tokens(tok, stream, split, meta["length"], out, f"data {path}")))
+        try:
+            _unchanged(sources)
+        except ConfigError:
+            os.unlink(token_path)
+            raise
+        counts = {"length": result[0][0], "train_tokens": result[0][1]}
+        storage.write_local_atomically(counts_path, lambda out: out.write(json.dumps(counts).encode()))
+        encode_s = time.perf_counter() - started
+        log.info("data %s: encoded %.1f MB into %s tokens (%s) in this node's token cache %s in %.1f s (%.1f MB/s)",
+                 path, corpus_bytes / 1e6, f"{counts['length']:,}", tok.describe(), token_path, encode_s,
+                 corpus_bytes / 1e6 / max(encode_s, 1e-9))
+    for used in (meta_path, token_path, counts_path, *([os.path.join(directory, tokenizer_name)] if tokenizer_name else [])):
+        _touch(used)  # in use: remove_unused leaves it alone
+    return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
+                     encode_s, directory=directory, tokenizer=tokenizer_name,
+                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint)
+
+
+def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
+                   directory: str, key: str) -> tokenizer.Tokenizer:
+    """The snapshot's tokenizer when resuming; else characters of the text, GPT-2's, or a
+    BPE trained on the training split (cached: trained once per corpus and settings)."""
+    if how.kind == "char":
+        chars = vocab if vocab is not None else meta["chars"]
+        outside = sorted(set(meta["chars"]) - set(chars))
+        if outside:
+            raise ConfigError(f"data.path={path} has characters outside the snapshot's vocabulary: "
+                              f"{''.join(outside)!r}: resume with the text it was trained on, or start a new run")
+        id_dtype(len(chars), f"data.path={path}")
+        return tokenizer.CharTokenizer(tokenizer.Vocabulary(chars))
+    if how.state is not None:
+        return tokenizer.from_dict(how.state, how.download)
+    if how.kind == "gpt2":
+        return tokenizer.load_gpt2(how.download)
+    trained = os.path.join(directory, f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}"
+                                      ".tokenizer.json")
+    if os.path.exists(trained):
+        _touch(trained)
+        return tokenizer.from_dict(_read_json(trained))
+    log.info("data %s: training a byte-level BPE of %s tokens on the training split", path, f"{how.vocab_size:,}")
+    tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars)
+    storage.write_local_atomically(trained, lambda out: out.write(json.dumps(tok.to_dict()).encode()))
+    return tok
+
+
+def load_tokenizer(token_file: TokenFile, cache_dir: Optional[str]) -> tokenizer.Tokenizer:
+    """The tokenizer a token file's ids belong to, on any rank of its node."""
+    if token_file.tokenizer is None:
+        return tokenizer.CharTokenizer(tokenizer.Vocabulary(token_file.chars))
+    with open(os.path.join(tokens_dir(cache_dir), token_file.tokenizer), encoding="utf-8") as f:
+        return tokenizer.from_dict(json.load(f), download=False)
+
+
+# ---- one node encodes for all that share the cache -----------------------------------------
+LOCK_HEARTBEAT_S = 5.0
+LOCK_STALE_S = 60.0  # a lock not touched for this long was left by a process that died
+
+
+@contextlib.contextmanager
+def shared_cache_lock(directory: str, path: str) -> Iterator[None]:
+    """Exclusive use of `directory` for corpus `path` among all processes that share it.
+
+    With data.cache_dir on storage all nodes share (FSx, NFS), every node's local rank 0
+    arrives here at about the same time: the first creates the lock file (O_CREAT|O_EXCL,
+    atomic on those filesystems too) and encodes while a thread keeps its modification
+    time fresh; the others wait, then find the token file made and only map it. A lock
+    left by a killed process goes stale after LOCK_STALE_S and is taken over. On a
+    node-local cache only one process per node comes here: the lock is always free.
+    """
+    lock = os.path.join(directory, f".{_digest(path)}.lock")
+    waited = False
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            try:
+                age = time.time() - os.stat(lock).st_mtime
+                with open(lock, encoding="utf-8") as f:
+                    owner = f.read().strip()
+            except OSError:
+                continue  # released just now
+            if age > LOCK_STALE_S:
+                log.warning("data %s: taking over the token cache lock %s of %s (untouched for %.0f s)", path, lock,
+                            owner or "an unknown process", age)
+                with contextlib.suppress(OSError):
+                    os.unlink(lock)
+                continue
+            if not waited:
+                log.info("data %s: %s is preparing the token cache %s; waiting for it", path, owner or "another node",
+                         directory)
+                waited = True
+            time.sleep(0.2)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"{platform.node()} pid {os.getpid()}\n")
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(LOCK_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(lock)
+
+    beat = threading.Thread(target=heartbeat, daemon=True, name="token-cache-lock")
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+
+
 def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.DistEnv) -> TokenFile:
     """The token file this node's local rank 0 made (`made_here` on that rank, else None),
     for every rank of the node; checked to hold the same text as global rank 0's. Nodes
@@ -596,7 +801,14 @@ def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.Dist
     everyone = distributed.all_gather_object((node, platform.node(), made_here))
     reference = everyone[0][2]
     for _, host, made in everyone:
-        if made is not None and made.text_sha256 != reference.text_sha256:
+        if made is not None and made.fingerprint != reference.fingerprint:
+            raise ConfigError(
+                f"node {host} encoded data.path={reference.corpus} with another tokenizer than rank 0 (a BPE trained "
+                "on its own copy of the text): put data.cache_dir on storage every node shares, or give every node "
+                "the same files"
+            )
+        if made is not None and (made.text_sha256, made.length, made.train_tokens) != (
+                reference.text_sha256, reference.length, reference.train_tokens):
             raise ConfigError(
                 f"node {host} read another text for data.path={reference.corpus} than rank 0 "
                 f"({made.length:,} characters, {len(made.chars)} distinct, against {reference.length:,} and "

@@ -21,7 +21,8 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak_flops, mfu,
+                                window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest
 from mingpt_ddp.snapshot import BackgroundSaver
@@ -88,7 +89,10 @@ class Trainer:
         saver: Optional[BackgroundSaver],
         snapshot_metadata: dict[str, Any],
         run_lock: Any = None,
+        token_bytes: Optional[torch.Tensor] = None,
     ):
+        """`token_bytes`: UTF-8 bytes per token id, for val_bpb (tokenizer.byte_lengths();
+        default: a character corpus's, from its vocabulary)."""
         self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
         self.run_lock = run_lock  # rank 0's RunLock: its `lost` stops every rank at the next agreement
@@ -114,6 +118,11 @@ class Trainer:
             WindowDataset(corpus.train_tokens, self.block_size), dist.world_size, dist.rank, cfg.seed
         )
         self.val_windows = WindowDataset(corpus.val_tokens, self.block_size)
+        if token_bytes is None:  # the corpus's tokenizer, or a character Vocabulary
+            vocab = corpus.vocab
+            token_bytes = (torch.from_numpy(vocab.byte_lengths()) if hasattr(vocab, "byte_lengths") else
+                           torch.tensor([len(c.encode("utf-8")) for c in vocab.chars], dtype=torch.int32))
+        self.token_bytes = token_bytes.to(self.device)
         self.state = TrainState()
         self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
@@ -125,6 +134,8 @@ class Trainer:
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
         self._evaluated_windows = 0
+        self._evaluated_bytes = 0
+        self.last_val_bpb: Optional[float] = None
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
@@ -287,11 +298,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> float:
-        """Mean validation loss over all ranks' windows, dropout off."""
+        """Mean validation loss per token over all ranks' windows, dropout off; also logged:
+        val_bpb, the same windows' loss in bits per byte of their text."""
         self.model.eval()
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
+        totals = torch.zeros(5, device=self.device, dtype=torch.float64)
         # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
         # a rank with fewer windows runs its last pass on a window it does not count.
         for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
@@ -301,18 +314,23 @@ class Trainer:
             with self.precision.autocast():
                 # Not the compiled model, which eval mode, no_grad and a short last batch would
                 # each make recompile (tens of seconds on a large model, every evaluation).
-                _, loss = self.model(x, y)
-            totals[0] += loss.double() * counted
-            totals[1] += counted
+                logits, _ = self.model(x)
+            if counted:
+                totals[:4] += window_loss_sums(logits, y, self.token_bytes)
+                totals[4] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
-        val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+        nats, targets, text_nats, text_bytes, counted_windows = totals.tolist()
+        val_loss = nats / targets if targets > 0 else float("nan")
         self.state.last_val_loss = val_loss
         self._evaluated_at = self.state.step
-        self._evaluated_windows = int(totals[1].item())
+        self._evaluated_windows = int(counted_windows)
+        self._evaluated_bytes = int(text_bytes)
         self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
+        self.last_val_bpb = bits_per_byte(text_nats, text_bytes)
         self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss,
-                            "val_windows": self._evaluated_windows})
+                            "val_bpb": self.last_val_bpb, "val_windows": self._evaluated_windows,
+                            "val_bytes": self._evaluated_bytes})
         return val_loss
 
     def fit(self) -> Optional[float]:
@@ -340,13 +358,14 @@ class Trainer:
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
                 self.evaluate(final=True)
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
-                              f"validation windows of {self.block_size}")
+                              f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
             self.save()
             self._wait_for_saves()
         self._check_ranks_agree()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"
+            + (f", val_bpb {self.last_val_bpb:.4f}" if self.last_val_bpb is not None else "")
         )
         return self.state.last_val_loss
 

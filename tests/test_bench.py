@@ -125,6 +125,17 @@ def test_data(tmp_path, small_corpus):
     assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
 
 
+def test_data_with_a_bpe_reports_its_encoding_per_core(tmp_path, small_corpus):
+    pytest.importorskip("tokenizers")
+    stdout, r = run_bench(["data", "data.block_size=32", "trainer.batch_size=4", f"data.path={small_corpus}",
+                           "data.tokenizer=bpe", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                           "steps=20"], tmp_path)
+    assert r["encoded"] and r["tokenizer"] == "bpe (300 tokens)" and r["token_dtype"] == "uint16"
+    assert r["encode_MBps"] > 0 and r["encode_MB_per_cpu_s"] > 0 and r["encode_cores"] == len(os.sched_getaffinity(0))
+    assert 1.2 < r["bytes_per_token"] < 4  # a BPE of 300 tokens merges a little (1.4 bytes a token here)
+    assert "MB/s per core" in stdout and "bpe (300 tokens)" in stdout
+
+
 def test_snapshot_to_a_local_url(tmp_path, small_corpus):
     target = tmp_path / "snaps"
     stdout, r = run_bench(["snapshot", "model=gpt-nano", "data.block_size=32", "trainer.batch_size=4",
