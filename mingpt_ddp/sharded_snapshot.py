@@ -259,6 +259,7 @@ class SaveHandle:
         self.directory = directory
         self._error: Optional[str] = None
         self.superseded = threading.Event()
+        self.committed = False  # True once this snapshot's marker is written (not when superseded)
         self._thread: Optional[threading.Thread] = None
 
     def _run(self, target) -> None:
@@ -572,7 +573,7 @@ class ShardedSnapshotStore:
         staged = self._stage(sharded)
         directory = self.step_dir(step)
         handle = SaveHandle(step, self.display(directory))
-        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle.superseded))
+        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle))
         self._inflight = handle
         return handle
 
@@ -594,7 +595,7 @@ class ShardedSnapshotStore:
         return error
 
     def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group,
-              superseded: threading.Event) -> Optional[str]:
+              handle: SaveHandle) -> Optional[str]:
         """Attempt the save until it is committed, fails for good, or has failed for
         `save_retry_minutes`; every rank takes the same decisions (each attempt's outcome is
         agreed), so their collectives stay in step. A newer save_async on any rank ends the
@@ -604,6 +605,7 @@ class ShardedSnapshotStore:
         for attempt, delay in enumerate(storage.backoff_delays(first=1.0, cap=60.0), start=1):
             error, transient = self._save_once(step, directory, staged, meta_blob, group)
             if error is None:
+                handle.committed = True
                 if attempt > 1:
                     log.warning("saving sharded snapshot %s worked after %d failed attempts", where, attempt - 1)
                 return None
@@ -614,8 +616,8 @@ class ShardedSnapshotStore:
                               f"trainer.save_retry_minutes={self.save_retry_minutes:g})")
                 return error
             log.warning("%s; retrying in %.0fs while training goes on", error, delay)
-            superseded.wait(delay)
-            if any(_agree(group, superseded.is_set())):
+            handle.superseded.wait(delay)
+            if any(_agree(group, handle.superseded.is_set())):
                 log.warning("sharded snapshot %s was not saved; a newer one replaces it", where)
                 return None
         raise AssertionError("unreachable")
