@@ -113,6 +113,9 @@ class TrainerConfig:
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),
+    # a fixed cuBLAS workspace, cuDNN and inductor without autotuning (determinism.py). Slower.
+    deterministic: bool = False
     # Also write the metrics as TensorBoard scalars (rank 0, <run dir>/tensorboard); needs
     # the `tensorboard` extra.
     tensorboard: bool = False

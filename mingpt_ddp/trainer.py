@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mingpt_ddp import distributed, parallel, precision
+from mingpt_ddp import determinism, distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
@@ -102,6 +102,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
+        determinism.apply(cfg.deterministic, self.strategy.compiled)  # before the first GPU matmul
         self.forward_model = self.strategy.forward_model
         self.optimizer = self.strategy.make_optimizer(optim_cfg)
         self.scaler = self.strategy.grad_scaler()
@@ -334,7 +335,12 @@ class Trainer:
         self._last_save_time = time.monotonic()
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
-            self.stopped_by = self._train_loop(stop_request)
+            try:
+                self.stopped_by = self._train_loop(stop_request)
+            except RuntimeError as exc:  # an op without a deterministic kernel: one line, not a traceback
+                if self.cfg.deterministic and determinism.explain(exc):
+                    raise determinism.explain(exc) from None
+                raise
             if self.stopped_by:
                 self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
                 stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
