@@ -48,6 +48,31 @@ def _exit_while_saving(signum: int, newest_saved: Optional[str]) -> None:
     os._exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else 128 + signum)
 
 
+def shield_compile_workers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> bool:
+    """Start torch.compile's worker processes now, with the stop signals blocked, so that they
+    never receive them.
+
+    Inductor compiles Triton kernels (GPU builds) in a sidecar process and its pool of
+    workers: processes of this job too, so Slurm's SIGUSR1 and SIGTERM (sent to every process
+    of a step) and a terminal's Ctrl-C reach them, and by default kill them, failing a compile
+    in progress with a traceback on every rank. A blocked signal stays blocked in children
+    (fork and exec alike), so workers started inside this block, and the ones the sidecar
+    forks later, keep them pending forever; the trainer's own handlers see them as before.
+    Only where torch itself would start workers (inductor's maybe_warm_pool: Triton present);
+    False when torch has no such hook (private API: tests/test_torch_floor.py notices).
+    """
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return False
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        maybe_warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return True
+
+
 class StopRequest:
     """Install with `with StopRequest() as stop:`; `stop.signum` is set once asked (0 before)."""
 

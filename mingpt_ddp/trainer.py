@@ -23,7 +23,7 @@ from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
 from mingpt_ddp.model import GPT
-from mingpt_ddp.preemption import StopRequest
+from mingpt_ddp.preemption import StopRequest, shield_compile_workers
 from mingpt_ddp.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
@@ -333,6 +333,8 @@ class Trainer:
         )
         self.model.train()
         self._last_save_time = time.monotonic()
+        if self.strategy.compiled:
+            shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
             try:
