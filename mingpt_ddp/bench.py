@@ -728,21 +728,21 @@ def report(mode: str, result: dict[str, Any]) -> None:
             f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
             f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
             f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
-            ["tokens/s", "wall tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU%(measured)",
+            ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s", "median ms", "best-window ms", "MFU%(measured)",
              "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
-            [[result["tokens_per_s"], result["wall_tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
+            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"], result["wall_tokens_per_s"],
               result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
               100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
               (result["datasheet_peak_flops_per_process"] or 0) / 1e12 or None,
               result["peak_memory_bytes"] / 2**20]],
         )
-        print(f"tokens/s: the timed steps alone; wall tokens/s: their wall time, evaluations among them included "
-              f"(trainer.eval_every={result['eval_every']}; no snapshots are written by bench train)")
         best = result["tokens_per_s_best_window"]
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+        print(f"# tokens/s: the timed steps alone; wall-tokens/s: their wall time, evaluations among them included "
+              f"(trainer.eval_every={result['eval_every']}; no snapshots are written by bench train)")
         mib = {name: [v / 2**20 for v in (*b.values(), sum(b.values()))] for name, b in
                (("per rank", result["state_bytes_per_rank"]), ("whole model", result["state_bytes_whole_model"]))}
         print_table(f"memory, trainer.strategy={result['strategy']}: bytes read off the tensors after a step (per rank: "

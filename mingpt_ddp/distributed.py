@@ -382,6 +382,24 @@ def _raise_outcome(outcome: tuple[str, Any], who: str) -> Any:
     return value
 
 
+def _share_by_collective(fn: Callable[[], T], runs_here: bool) -> T:
+    """The runners' outcomes by a collective: for a process group made without setup()'s
+    store (alone, it is just `fn`)."""
+    outcome, exc = _outcome(fn) if runs_here else (("ok", None), None)
+    if not torch_dist.is_initialized():
+        if exc is not None:
+            raise exc
+        return outcome[1]
+    outcomes = all_gather_object(outcome)
+    for kind in ("config", "bug"):
+        for rank, theirs in enumerate(outcomes):
+            if theirs[0] == kind:
+                if exc is not None:
+                    raise exc
+                _raise_outcome(theirs, f"rank {rank}")
+    return outcomes[0][1]
+
+
 def wait_for_main(work: Callable[[], T], what: str) -> T:
     """`work` on rank 0 only; every rank gets its result (or raises its error).
 
@@ -392,7 +410,7 @@ def wait_for_main(work: Callable[[], T], what: str) -> T:
     ends the job soon. `what` says what rank 0 is doing, for the message if it never ends.
     """
     if not _waits_in_store():
-        return work()
+        return _share_by_collective(work, not torch_dist.is_initialized() or torch_dist.get_rank() == 0)
     key = f"mingpt_ddp/rank0/{next(_rounds)}"
     if _current.is_main:
         outcome, exc = _outcome(work)
@@ -422,10 +440,7 @@ def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: boo
     if not once_per_node:
         return wait_for_main(fn, "preparing the run")
     if not _waits_in_store():
-        outcome, exc = _outcome(fn) if dist.local_rank == 0 else (("ok", None), None)
-        if exc is not None:
-            raise exc
-        return outcome[1]
+        return _share_by_collective(fn, dist.local_rank == 0)
     runners = _runner_ranks()
     base = f"mingpt_ddp/node0/{next(_rounds)}"
     mine: Optional[BaseException] = None
