@@ -33,7 +33,8 @@ measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.stra
 clipping, optimizer, logging. It also reports the bytes of parameters, gradients and
 optimizer state read off the live tensors: each rank's own (its shards under FSDP) and the
 whole model's (what every DDP rank holds).
-Epoch-end evaluations that fall between timed steps are left out of the timing.
+Evaluations that fall between timed steps (epoch ends, trainer.eval_every as configured) are
+left out of tokens/s and kept in wall tokens/s (bench train writes no snapshots).
 MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
 processes / (matmul peak for the precision in use x processes), reported twice: against
 the measured peak, and on known GPUs against the datasheet's dense peak.
@@ -120,15 +121,17 @@ def build_trainer(cfg, dist, saver=None):
                    saver, metadata, token_bytes=torch.from_numpy(tok.byte_lengths()))
 
 
-def bench_run_settings(cfg, total_steps: int) -> None:
-    """Run exactly `total_steps` optimizer steps, with evaluation and saving out of the way."""
+def bench_run_settings(cfg, total_steps: int, keep_evaluations: bool = False) -> None:
+    """Run exactly `total_steps` optimizer steps, with saving (and, unless `keep_evaluations`,
+    evaluation) out of the way."""
     t = cfg.trainer
     t.max_steps = total_steps
-    t.eval_every = 10**9
-    t.eval_batches = 1
+    if not keep_evaluations:
+        t.eval_every = 10**9
+        t.eval_batches = 1
     t.save_every = 10**9
     t.snapshot_every_steps = None
-    t.snapshot_every_minutes = None
+    t.snapshot_every_minutes = 0  # never (null would mean every 30 minutes on GPUs)
     # Enough epochs for the steps, without making the planner walk millions of epochs.
     windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.isfile(cfg.data.path) else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -305,13 +308,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     steps, warmup = int(options["steps"] or 20), int(options["warmup"])
     if steps < 1 or warmup < 0:
         raise ConfigError("steps must be >= 1 and warmup >= 0")
-    bench_run_settings(cfg, warmup + steps)
+    bench_run_settings(cfg, warmup + steps, keep_evaluations=True)  # as configured: in the wall time only
     wait_until_quiet(float(options["wait_quiet"]), dist)
     trainer = build_trainer(cfg, dist)
     device = trainer.device
     step_s: list[float] = []  # each optimizer step's seconds, evaluations left out
     noise: list[CpuNoise] = []
     last = [0.0]
+    wall = [0.0, 0.0]  # the timed steps' start and end, evaluations between them included
 
     def on_step(t) -> None:
         if t.state.step == warmup or t.state.step == warmup + steps:
@@ -322,6 +326,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         if t.state.step > warmup:
             step_s.append(now - last[0])
         last[0] = now
+        if t.state.step == warmup:
+            wall[0] = now
+        if t.state.step == warmup + steps:
+            wall[1] = now
 
     def evaluate_untimed(*args, evaluate=trainer.evaluate, **kwargs):
         """An epoch-end evaluation between timed steps (e.g. gpt2 at block 1024 on 2 GPUs
@@ -341,13 +349,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     if warmup == 0:
         sync(device)
         noise.append(CpuNoise(dist))
-        last[0] = time.perf_counter()
+        last[0] = wall[0] = time.perf_counter()
     trainer.fit()
     state_bytes = measured_state_bytes(trainer)
     elapsed = sum(step_s[-steps:])
     slowest = all_ranks_max(elapsed, device)
     tokens = steps * trainer.global_batch * trainer.block_size
     tokens_per_s = tokens / slowest
+    wall_s = all_ranks_max(wall[1] - wall[0], device)
     memory = all_ranks_max(float(peak_memory_bytes(device)), device)
     return {
         "model": {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "dropout")},
@@ -358,6 +367,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
+        # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
+        # configured; bench train writes no snapshots): what a run's length is planned from
+        "wall_tokens_per_s": tokens / max(wall_s, slowest),
+        "eval_every": cfg.trainer.eval_every,
         "ms_per_step": 1e3 * slowest / steps,
         # per-step times only mean something where the host waits for the device (CPU)
         "ms_per_step_median": 1e3 * statistics.median(step_s) if device.type == "cpu" else None,
@@ -718,9 +731,9 @@ def report(mode: str, result: dict[str, Any]) -> None:
             f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
             f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
             f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
-            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU%(measured)",
+            ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s", "median ms", "best-window ms", "MFU%(measured)",
              "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
-            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
+            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"], result["wall_tokens_per_s"],
               result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
               100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
@@ -731,6 +744,8 @@ def report(mode: str, result: dict[str, Any]) -> None:
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+        print(f"# tokens/s: the timed steps alone; wall-tokens/s: their wall time, evaluations among them included "
+              f"(trainer.eval_every={result['eval_every']}; no snapshots are written by bench train)")
         mib = {name: [v / 2**20 for v in (*b.values(), sum(b.values()))] for name, b in
                (("per rank", result["state_bytes_per_rank"]), ("whole model", result["state_bytes_whole_model"]))}
         print_table(f"memory, trainer.strategy={result['strategy']}: bytes read off the tensors after a step (per rank: "

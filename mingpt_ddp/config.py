@@ -19,10 +19,14 @@ from omegaconf import OmegaConf
 from mingpt_ddp import loggers
 from mingpt_ddp.errors import ConfigError
 
-# Collectives wait this long beyond the longest a rank may legitimately keep the others
-# waiting (rank 0 retrying a save or a store, see collective_timeout_minutes).
-COLLECTIVE_TIMEOUT_MARGIN_MINUTES = 5.0
-DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 20.0  # save_retry_minutes' default (15) plus the margin
+# The training process group's collectives (NCCL on GPUs) give up after this: a hung GPU or a
+# lost node holds the others for minutes, not for as long as rank 0 may retry a save.
+DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 5.0
+# While rank 0 does what only it does (a save retried for save_retry_minutes, a store retried at
+# start), the others wait in the rendezvous store, up to the longest retry plus this margin.
+RANK0_WAIT_MARGIN_MINUTES = 5.0
+# trainer.snapshot_every_minutes=null on GPUs: an hours-long epoch is not hours of work at risk.
+GPU_SNAPSHOT_EVERY_MINUTES = 30.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -121,11 +125,16 @@ class TrainerConfig:
     log_every: int = 10
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
+    # Also snapshot every N minutes of wall time (rank 0's clock); null: every
+    # GPU_SNAPSHOT_EVERY_MINUTES on GPUs, never on CPUs; 0: never.
     snapshot_every_minutes: Optional[float] = None
     keep_last: int = 2
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),
+    # a fixed cuBLAS workspace, cuDNN and inductor without autotuning (determinism.py). Slower.
+    deterministic: bool = False
     # Also write the metrics as TensorBoard scalars (rank 0, <run dir>/tensorboard); needs
     # the `tensorboard` extra.
     tensorboard: bool = False
@@ -141,10 +150,10 @@ class TrainerConfig:
     save_retry_minutes: float = 15.0
     # At start, an unreachable store (snapshots, data) is retried this long, then an error.
     load_retry_minutes: float = 2.0
-    # How long a collective (and the rendezvous) waits for the other ranks before the job
-    # fails: at least the save/load retry time plus a margin, since the other ranks wait in
-    # a collective meanwhile; short enough that a rank that died under plain srun does not
-    # hold the job for long.
+    # How long a collective of the training process group (and the rendezvous) waits for the
+    # other ranks before the job fails: a hung GPU or an unreachable node. Waits for rank 0's
+    # own work (saves, stores at start) do not count: the others wait for it in the
+    # rendezvous store (see rank0_wait_minutes).
     collective_timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
 
 
@@ -310,8 +319,9 @@ def validate(cfg: Any) -> None:
             _positive(t[name], f"trainer.{name}", "set it to null to evaluate the whole split")
     if t.snapshot_every_steps is not None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
-    if t.snapshot_every_minutes is not None:
-        _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
+    if t.snapshot_every_minutes is not None and t.snapshot_every_minutes < 0:
+        raise ConfigError(f"trainer.snapshot_every_minutes={t.snapshot_every_minutes} must be >= 0 (0: never; "
+                          f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, never on CPUs)")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
     loggers.check(cfg)
     if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
@@ -327,14 +337,23 @@ def validate(cfg: Any) -> None:
 
 
 def collective_timeout_minutes(t: Any) -> float:
-    """trainer.collective_timeout_minutes, checked against what the other ranks may wait for
-    inside a collective: rank 0 retrying a save (at the end of a run) or a store at start."""
-    needed = max(t.save_retry_minutes, t.load_retry_minutes) + COLLECTIVE_TIMEOUT_MARGIN_MINUTES
-    if not t.collective_timeout_minutes >= needed:
-        raise ConfigError(
-            f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} is too short: the other ranks "
-            f"wait in a collective while rank 0 retries saving (trainer.save_retry_minutes={t.save_retry_minutes}) "
-            f"or loading (trainer.load_retry_minutes={t.load_retry_minutes}); set "
-            f"trainer.collective_timeout_minutes={needed:g} or more, or lower those"
-        )
+    """trainer.collective_timeout_minutes, checked."""
+    if not t.collective_timeout_minutes > 0:
+        raise ConfigError(f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} must be positive: "
+                          f"how long a collective waits for the other ranks, e.g. {DEFAULT_COLLECTIVE_TIMEOUT_MINUTES:g}")
     return float(t.collective_timeout_minutes)
+
+
+def rank0_wait_minutes(t: Any) -> float:
+    """How long the other ranks wait for rank 0's own work: a save it retries for
+    trainer.save_retry_minutes, a store it retries at start for load_retry_minutes, plus a
+    margin for the attempt in progress."""
+    return float(max(t.save_retry_minutes, t.load_retry_minutes) + RANK0_WAIT_MARGIN_MINUTES)
+
+
+def snapshot_every_minutes(t: Any, device_type: str) -> Optional[float]:
+    """trainer.snapshot_every_minutes as it applies on `device_type`: None for never."""
+    minutes = t.snapshot_every_minutes
+    if minutes is None:
+        return GPU_SNAPSHOT_EVERY_MINUTES if device_type == "cuda" else None
+    return float(minutes) if minutes > 0 else None

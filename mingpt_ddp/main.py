@@ -194,7 +194,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
                                          retry_minutes=cfg.trainer.load_retry_minutes,
                                          save_retry_minutes=cfg.trainer.save_retry_minutes,
-                                         collective_timeout_minutes=cfg.trainer.collective_timeout_minutes)
+                                         collective_timeout_minutes=config.rank0_wait_minutes(cfg.trainer))
     else:
         snapshots = store
     distributed.on_main_then_share(snapshots.check_writable, dist)
@@ -360,7 +360,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
-        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         status, val_loss, snapshot = train(cfg, dist, run_dir)

@@ -51,6 +51,7 @@ class MetricsLog:
         text = (
             f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
+            + (f", {r['wall_tokens_per_s']:,.0f} wall tok/s" if r.get("wall_tokens_per_s") is not None else "")
             + (" (includes compiling)" if r.get("includes_compile") else "")
             + (f" | MFU {100 * r['mfu']:.1f}% of measured peak" if r.get("mfu") is not None else "")
             + (f", {100 * r['mfu_datasheet']:.1f}% of datasheet peak" if r.get("mfu_datasheet") is not None else "")
@@ -178,6 +179,8 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float
     if key not in _PEAK_CACHE:
         sizes = affordable_peak_sizes(device, dtype)
         _PEAK_CACHE[key] = max(matmul_flops(device, dtype, n, seconds / len(sizes)) for n in sizes)
+        if device.type == "cuda":  # the probe's matrices (~0.8 GB at 8192) would stay cached on this GPU only
+            torch.cuda.empty_cache()
     return _PEAK_CACHE[key]
 
 

@@ -99,7 +99,8 @@ def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
 def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
     stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
     header, rows = table(stdout)
-    assert header.split()[:3] == ["tokens/s", "tokens/s/proc", "ms/step"] and len(rows) == 1
+    assert header.split()[:4] == ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s"] and len(rows) == 1
+    assert 0 < r["wall_tokens_per_s"] <= r["tokens_per_s"]
     assert r["steps"] == 4 and r["precision"] == "fp32" and r["global_batch"] == 4 and r["block_size"] == 32
     vocab = len(set(small_corpus.read_text(encoding="utf-8")))
     n = n_params_by_formula(3, 48, vocab)  # gpt-nano: 3 layers, 48 dims
