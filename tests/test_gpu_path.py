@@ -36,8 +36,8 @@ def test_process_group_is_bound_to_the_gpu_only_on_cuda():
 
 
 def test_a_config_error_on_rank_1_only_is_printed_by_rank_1_and_ends_the_job_fast(tmp_path, small_corpus):
-    """A per-rank cache directory: the node's token file is made in rank 0's, so rank 1
-    alone finds none and raises. Before the fix rank 1 exited 2 without a word."""
+    """A per-rank cache directory: rank 1 alone sees a data.cache_dir other than its node's
+    local rank 0 and raises. Before the fix rank 1 exited 2 without a word."""
     start = time.monotonic()
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=2",
                     f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}"], nproc=2, timeout=120)
@@ -46,7 +46,8 @@ def test_a_config_error_on_rank_1_only_is_printed_by_rank_1_and_ends_the_job_fas
     assert proc.returncode != 0, text
     # Every rank stops with it (a sweep must not go on with one rank missing), printed once and
     # naming the rank that hit it.
-    assert text.count(f"error: on rank(s) 1 of 2: this node's token file {tmp_path}/cache_1/tokens/") == 1, text
+    assert text.count(f"error: on rank(s) 1 of 2: this process's data.cache_dir is {tmp_path}/cache_1 but this "
+                      f"node's local rank 0 used {tmp_path}/cache_0") == 1, text
     assert "done:" not in text
     assert elapsed < 60, f"{elapsed:.0f} s"
 

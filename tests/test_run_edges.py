@@ -170,8 +170,8 @@ def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
 # ---- 5. a sweep point failing on some ranks only ---------------------------------------------
 @pytest.mark.slow
 def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path, small_corpus):
-    # A per-rank cache directory: the node's token file is made in rank 0's, so rank 1 alone
-    # finds none (as a node whose local disk lost its copy would).
+    # A per-rank cache directory: rank 1 alone finds its node's token cache elsewhere (as a
+    # process whose $HOME differs from its node's local rank 0 would).
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=3", f"data.path={small_corpus}",
                     f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}", f"hydra.sweep.dir={sweep}"],
@@ -179,7 +179,7 @@ def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path,
     assert proc.returncode == 0, output(proc)
     results = [json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")]
     assert [r["status"] for r in results] == ["failed", "failed"], results
-    assert all("on rank(s) 1 of 2" in r["error"] and "this node's token file" in r["error"] for r in results)
+    assert all("on rank(s) 1 of 2" in r["error"] and "this process's data.cache_dir" in r["error"] for r in results)
 
 
 # ---- 9. sampling options ---------------------------------------------------------------------
