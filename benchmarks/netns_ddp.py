@@ -8,8 +8,9 @@ across the two hosts (busbw against the link's rate). Then, per round and interl
 both see the same load: the compute, as one single-process `bench train` on each host at
 once, and `bench train` as DDP across the two hosts (one process each, gradients in small
 buckets so the all_reduce overlaps the backward); each host's processes are pinned to a core of
-its own (tests/netns_hosts.py), so a host is one core running one thread. Each round's projection is `bench comm`'s: step = compute + exposed
-comm, from that round's compute and the measured busbw. Prints the figures and the median
+its own (tests/netns_hosts.py), so a host is one core running one thread. Each round's
+projection is `bench comm`'s: step = compute + exposed comm, from that round's compute and the
+measured busbw. Prints the figures and the median
 ratio measured / projected; the model is gpt-nano at block 32 (the tests' TINY settings).
 Needs root (network namespaces).
 """
