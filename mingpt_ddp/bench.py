@@ -23,7 +23,11 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             peak RSS, and the node's memory for the corpus (PSS of the mapped token file
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
-  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
+  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5; also the transport
+            each rank's collectives use (gloo: TCP on GLOO_SOCKET_IFNAME; NCCL: P2P, SHM or
+            NET/<plugin>, read from NCCL's own INFO log). project=TRAIN.json (a `bench train`
+            JSON of one process: its step time is the compute) hosts=2,4,8,16: DDP's step time
+            at N hosts of the link just measured, step = compute + exposed comm
   precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
             what trainer.precision=auto decides; models=gpt-nano,experiment=char_cpu_fast,...
             (one row each; `all`: the five presets and the fast CPU recipe)
@@ -67,6 +71,7 @@ MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
+    "project": None, "hosts": "2,4,8,16",
 }
 
 
@@ -617,14 +622,83 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
+NCCL_LOG_DIR = "MINGPT_NCCL_LOG_DIR"  # where nccl_log_to_files() sent NCCL's INFO log
+
+
+def nccl_log_to_files() -> None:
+    """Before NCCL starts (GPUs only): NCCL's INFO log into one file per process, read back
+    after the collectives to say which transport NCCL chose. Where NCCL_DEBUG_FILE is the
+    user's own, nothing changes (and the transport is not reported)."""
+    if not torch.cuda.is_available() or os.environ.get("NCCL_DEBUG_FILE"):
+        return
+    log_dir = tempfile.mkdtemp(prefix="mingpt-nccl-")
+    os.environ.update({NCCL_LOG_DIR: log_dir, "NCCL_DEBUG": "INFO",
+                       "NCCL_DEBUG_FILE": os.path.join(log_dir, f"nccl.{os.getpid()}.log")})
+
+
+def nccl_transport(log: str) -> dict[str, Any]:
+    """What NCCL's INFO log says it chose: its version, the transports of its channels
+    ("P2P" GPU peer access over NVLink/PCIe, "SHM" shared memory, "NET/<network>" between
+    nodes), the network plugin (and the libfabric provider under aws-ofi-nccl)."""
+    kinds: dict[str, int] = {}
+    for kind, sub in re.findall(r" via (\w+)(?:/([^/\n]+))?", log):
+        name = f"NET/{sub}" if kind == "NET" and sub else kind
+        kinds[name] = kinds.get(name, 0) + 1
+    version = re.search(r"NCCL version ([\w.+-]+)", log)
+    network = re.search(r"Using network (.+)", log)
+    provider = re.search(r"NET/OFI Selected [Pp]rovider is (\w+)", log)
+    plugin = re.search(r"NET/OFI Initializing (aws-ofi-nccl [\w.-]+)", log)
+    return {"nccl": version and version[1], "channels": kinds, "network": network and network[1].strip(),
+            "provider": provider and provider[1], "plugin": plugin and plugin[1]}
+
+
+def describe_transport(t: dict[str, Any]) -> str:
+    """One line for a rank's transport, with the sign of lost GPU peer access."""
+    if t["backend"] == "gloo":
+        ifname = t.get("gloo_socket_ifname")
+        return f"gloo over TCP on {f'interface {ifname} (GLOO_SOCKET_IFNAME)' if ifname else 'the address the host name resolves to (GLOO_SOCKET_IFNAME unset)'}"
+    if "channels" not in t:
+        return f"NCCL: {t.get('unknown', 'transport unknown')}"
+    parts = [f"{k} x{n}" for k, n in sorted(t["channels"].items())] or ["no channel set up (one rank)"]
+    line = f"NCCL {t['nccl'] or '?'}: " + ", ".join(parts)
+    if t["network"]:
+        line += f"; network {t['network']}" + (f" ({t['plugin']}, provider {t['provider']})" if t["plugin"] or t["provider"] else "")
+    if "SHM" in t["channels"] and "P2P" not in t["channels"]:
+        line += ("; GPUs of a node talk through host shared memory, not peer access: each rank sees only its "
+                 "own GPU (srun --gpus-per-task=1, cgroup device isolation) or P2P is disabled (NCCL_P2P_DISABLE)")
+    return line
+
+
+def own_transport(dist) -> dict[str, Any]:
+    """This rank's transport, as far as it can be known."""
+    found: dict[str, Any] = {"rank": dist.rank, "host": platform.node(), "backend": dist.backend}
+    if dist.backend == "gloo":
+        found["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")
+        return found
+    log_file = os.environ.get("NCCL_DEBUG_FILE", "")
+    if not os.environ.get(NCCL_LOG_DIR) or not os.path.isfile(log_file):
+        found["unknown"] = "transport unknown (NCCL_DEBUG_FILE is set by you: look for ' via ' lines there)"
+        return found
+    with open(log_file, errors="replace") as f:
+        found.update(nccl_transport(f.read()))
+    return found
+
+
 def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it."""
+    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it;
+    the transport behind it; and, given a one-process `bench train` JSON, DDP's step time
+    projected to N hosts of this link."""
     if overrides:
         raise ConfigError(f"comm takes no config overrides: {overrides}")
+    compute = load_compute(options["project"]) if options["project"] else None
+    hosts = parse_hosts(options["hosts"])
     own_group = not torch_dist.is_initialized()
     if own_group:  # one process: a group of one still measures the call's own cost
         torch_dist.init_process_group(dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     n = torch_dist.get_world_size()
+    if compute is not None and n < 2:
+        raise ConfigError("project= needs the all_reduce measured over 2 or more ranks, one per host across the "
+                          "link (torchrun --nnodes=2 --nproc_per_node=1 ...)")
     lo, hi = parse_bytes(options["min_bytes"]), parse_bytes(options["max_bytes"])
     warmup = int(options["warmup"])
     sizes, s = [], max(4, lo)
@@ -658,10 +732,96 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         rows.append({"size": count * 4, "count": count, "type": "float", "redop": "sum", "time_us": seconds * 1e6,
                      "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
                      "iters": iters, "timed_data_finite": finite})
+    transport = distributed.all_gather_object(own_transport(dist))
     if own_group:
         torch_dist.destroy_process_group()
-    return {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
-            "other_cpu_busy": noise.fraction()}
+    result = {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
+              "other_cpu_busy": noise.fraction(), "transport": transport}
+    if compute is not None:
+        result["projection"] = {"compute": compute,
+                                "hosts": [project_ddp_step(compute, rows, h) for h in hosts]}
+    return result
+
+
+# ---- DDP's step time at N hosts of a link, from its measured busbw --------------------------
+BACKWARD_SHARE = 2 / 3  # of a training step's compute: backward is ~2x the forward's FLOPs
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first (rebuilt) bucket: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def parse_hosts(text: str) -> list[int]:
+    try:
+        hosts = [int(h) for h in str(text).split(",") if h.strip()]
+    except ValueError:
+        hosts = []
+    if not hosts or min(hosts) < 2:
+        raise ConfigError(f"hosts={text}: give host counts of 2 or more, e.g. hosts=2,4,8")
+    return hosts
+
+
+def load_compute(path: str) -> dict[str, Any]:
+    """What the projection needs from a `bench train` JSON of one process: the step time
+    (compute alone, no gradient exchange), the gradient bytes and DDP's bucket size."""
+    try:
+        train = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"project={path}: cannot read a bench train JSON there ({exc})") from None
+    if train.get("mode") != "train" or train.get("env", {}).get("world_size") != 1:
+        raise ConfigError(f"project={path}: give the JSON of `python -m mingpt_ddp.bench train ... out={path}` "
+                          "run as one process (its step time is the compute without any gradient exchange)")
+    if train.get("strategy", "ddp") != "ddp":
+        raise ConfigError(f"project={path}: the projection models DDP's all_reduce; this run used {train['strategy']}")
+    cfg = compose(train.get("overrides", []))
+    step_ms = train.get("ms_per_step_median") or train["ms_per_step"]
+    return {"step_ms": step_ms, "gradient_bytes": int(train["state_bytes_whole_model"]["gradients"]),
+            "bucket_bytes": int(cfg.trainer.ddp_bucket_cap_mb * 2**20), "parameters": train["parameters"],
+            "source": path}
+
+
+def busbw_at(rows: list[dict[str, Any]], size: int) -> float:
+    """Measured busbw at `size` bytes, interpolated on a log scale between the sizes measured
+    (the nearest end outside them)."""
+    import math
+
+    pts = sorted((r["size"], r["busbw_GBps"]) for r in rows if r["busbw_GBps"] > 0)
+    if size <= pts[0][0]:
+        return pts[0][1] * size / pts[0][0]  # below the smallest size the time stays latency-bound
+    for (s0, b0), (s1, b1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return b0 + w * (b1 - b0)
+    return pts[-1][1]
+
+
+def project_ddp_step(compute: dict[str, Any], rows: list[dict[str, Any]], hosts: int) -> dict[str, Any]:
+    """DDP's step time at `hosts` hosts of this link: step = compute + exposed comm.
+
+    The gradients leave in DDP's buckets (the first 1 MiB, then the configured size), in
+    the order backward produces them; each bucket's ring all_reduce moves 2(N-1)/N of its
+    bytes over every host's link and takes that over the busbw measured at its size (a
+    ring's busbw does not depend on N). A bucket's all_reduce starts when backward has
+    produced the bucket (gradients taken to arrive evenly over the backward, BACKWARD_SHARE
+    of the step) and the previous one has finished; what runs past the end of the backward
+    is exposed. Latency that grows with N (2(N-1) hops) is left out.
+    """
+    compute_s, grad, cap = compute["step_ms"] / 1e3, compute["gradient_bytes"], compute["bucket_bytes"]
+    buckets, left = [], grad
+    for limit in [min(FIRST_BUCKET_BYTES, cap)] + [cap] * (grad // max(1, cap) + 1):
+        if left <= 0:
+            break
+        buckets.append(min(limit, left))
+        left -= buckets[-1]
+    backward_s = compute_s * BACKWARD_SHARE
+    backward_start = compute_s * (1 - BACKWARD_SHARE) / 2  # forward first; the optimizer step after
+    done, end, comm_s = 0, 0.0, 0.0
+    for size in buckets:
+        done += size
+        ready = backward_start + backward_s * done / grad
+        seconds = size * 2 * (hosts - 1) / hosts / (busbw_at(rows, size) * 1e9)
+        end = max(ready, end) + seconds
+        comm_s += seconds
+    exposed_s = max(0.0, end - (backward_start + backward_s))
+    return {"hosts": hosts, "buckets": len(buckets), "comm_ms": 1e3 * comm_s, "exposed_ms": 1e3 * exposed_s,
+            "compute_ms": 1e3 * compute_s, "step_ms": 1e3 * (compute_s + exposed_s)}
 
 
 PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast")
@@ -799,6 +959,19 @@ def report(mode: str, result: dict[str, Any]) -> None:
               r["wrong"]] for r in result["rows"]],
         )
         print(f"# Avg bus bandwidth: {result['avg_busbw_GBps']:.3f} GB/s")
+        seen: dict[str, list[int]] = {}
+        for t in result.get("transport", []):
+            seen.setdefault(f"{t['host']}: {describe_transport(t)}", []).append(t["rank"])
+        for line, ranks in seen.items():
+            print(f"# transport, rank(s) {','.join(map(str, ranks))} on {line}")
+        if "projection" in result:
+            c = result["projection"]["compute"]
+            print(f"# DDP projection: compute {c['step_ms']:.1f} ms/step ({c['source']}), gradients "
+                  f"{c['gradient_bytes'] / 1e6:.2f} MB in buckets of {c['bucket_bytes'] / 2**20:g} MiB")
+            for p in result["projection"]["hosts"]:
+                print(f"at {p['hosts']} hosts of this link, step = compute + exposed comm = {p['compute_ms']:.1f} + "
+                      f"{p['exposed_ms']:.1f} = {p['step_ms']:.1f} ms (all_reduce {p['comm_ms']:.1f} ms in "
+                      f"{p['buckets']} bucket(s), {p['comm_ms'] - p['exposed_ms']:.1f} ms of it behind the backward)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -808,6 +981,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         mode, options, overrides = parse_args(argv)
+        if mode == "comm":
+            nccl_log_to_files()  # before NCCL starts
         dist = distributed.setup()
         result = RUNNERS[mode](dist, options, overrides)
     except ConfigError as exc:

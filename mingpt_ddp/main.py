@@ -371,6 +371,12 @@ def main(cfg: DictConfig) -> Optional[float]:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
         run_dir = HydraConfig.get().runtime.output_dir
+    except Exception as exc:
+        lost = distributed.communication_failure(exc)
+        if lost is None:
+            raise  # a bug: its traceback reaches torchrun's failure summary (@record)
+        _report_error(lost)  # a peer or the network is gone: one line, no traceback
+        sys.exit(distributed.LOST_PEERS_EXIT_CODE)
     finally:
         gc.collect()  # a sweep's next point starts without this one's model and optimizer
         distributed.release_cached_memory()
