@@ -678,17 +678,21 @@ SLOW_PASS_SECONDS = 10.0  # a pass of a precision the matmul probe finds several
 
 def precision_row(model, batch: int, block: int, steps: int) -> dict[str, Any]:
     """fp32 and bf16 forward+backward seconds at `batch` x `block`, and what auto decides and
-    how long that took (cold cache). bf16 where its matmuls are MATMUL_LOSING times slower
-    (emulated): one pass of as many sequences as fit into SLOW_PASS_SECONDS, or none."""
+    how long that took (cold cache). bf16 where its matmuls are slower (emulated): one pass
+    of as many sequences as fit into SLOW_PASS_SECONDS at their slowdown, or none."""
     from mingpt_ddp import precision
 
     fp32 = precision.step_seconds(model, "fp32", batch, block, steps)
     slowdown = precision.bf16_matmul_slowdown(model.cfg.n_embd, batch * block)
     row: dict[str, Any] = {"fp32_tokens_per_s": batch * block / fp32, "bf16_matmul_slowdown": slowdown}
-    sequences = batch if slowdown < precision.MATMUL_LOSING else int(SLOW_PASS_SECONDS / (fp32 / batch * slowdown))
-    if sequences >= batch:
+    # Full timed passes only where bf16's matmuls are faster (so its passes cost less than
+    # fp32's, already paid); else one pass, of as many sequences as fit the bound. gpt2
+    # under the AVX2 emulation showed 2.9x slower matmuls and four 90 s bf16 passes.
+    sequences = batch if slowdown < 1.0 else int(SLOW_PASS_SECONDS / (fp32 / batch * slowdown))
+    if slowdown < 1.0:
         bf16 = precision.step_seconds(model, "bf16", batch, block, steps)
     elif sequences >= 1:
+        sequences = min(sequences, batch)
         bf16 = precision.pass_seconds(copy.deepcopy(model).train(), "bf16", sequences, block) * batch / sequences
     else:
         bf16 = None

@@ -176,3 +176,23 @@ def test_precision_reports_fp32_and_bf16_and_the_auto_choice_here_and_under_avx2
         assert row["faster"] == ("bf16" if row["bf16_vs_fp32"] > 1 else "fp32")
         assert row["auto_choice"] in ("fp32", "bf16")
     assert len(r["avx2_rows"]) == 2
+
+def test_precision_row_times_bf16_in_one_bounded_pass_unless_its_matmuls_are_faster(monkeypatch):
+    """gpt2 under the AVX2 emulation: bf16 matmuls 2.9x slower (under the 3x that skips bf16)
+    made the bench time four full bf16 passes of ~90 s each (20 minutes for one table)."""
+    from mingpt_ddp import precision
+
+    calls = []
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    monkeypatch.setattr(precision, "step_seconds", lambda m, name, b, t, s=3: calls.append((name, b)) or 6.4)
+    monkeypatch.setattr(precision, "pass_seconds", lambda m, name, b, t: calls.append((name, b)) or 6.4 / 32 * b * 2.9)
+    monkeypatch.setattr(precision, "measured_cpu_choice", lambda *a: "fp32")
+    for slowdown, full in ((2.9, False), (0.5, True)):
+        calls.clear()
+        monkeypatch.setattr(precision, "bf16_matmul_slowdown", lambda d, rows: slowdown)
+        row = bench.precision_row(model, 32, 16, 3)
+        assert calls[0] == ("fp32", 32)
+        assert (("bf16", 32) in calls) == full, calls
+        assert sum(b for name, b in calls if name == "bf16") * 6.4 / 32 * max(slowdown, 1) <= bench.SLOW_PASS_SECONDS \
+            or full
+        assert row["bf16_tokens_per_s"] > 0
