@@ -339,7 +339,7 @@ run_agent() {  # COMMAND...: one torchrun agent, to its end; sets rc
   if ((rc > 128)) && [ -z "$got_signal" ]; then
     sig=$(kill -l $((rc - 128)) 2>/dev/null || echo $((rc - 128)))
     kill_leftover_workers
-    log "error: the torchrun agent on $host died of SIG$sig: this node has left the job and its workers were stopped. The other nodes' workers fail at their next collective; their agents then wait up to RDZV_TIMEOUT=${RDZV_TIMEOUT}s for this node (srun --kill-on-bad-exit=1 ends the whole step at once instead)."
+    log "error: the torchrun agent on $host died of SIG$sig: this node has left the job and its workers were stopped. The other nodes' workers fail at their next collective once their connections to this node close (NCCL over InfiniBand/EFA may take up to trainer.collective_timeout_minutes); their agents then restart them, which wait up to RDZV_TIMEOUT=${RDZV_TIMEOUT}s for this node (srun --kill-on-bad-exit=1 ends the whole step at once instead)."
   elif ((rc != 0)); then
     log "torchrun on $host exited with code $rc"
   fi

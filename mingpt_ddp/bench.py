@@ -19,7 +19,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             the configured model's own matmuls (model=..., data.block_size, trainer.batch_size)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
-            (when this node had no token file yet), start-up with the token file reused,
+            and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
+            training the BPE), start-up with the token file reused,
             peak RSS, and the node's memory for the corpus (PSS of the mapped token file
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
@@ -36,7 +37,8 @@ measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.stra
 clipping, optimizer, logging. It also reports the bytes of parameters, gradients and
 optimizer state read off the live tensors: each rank's own (its shards under FSDP) and the
 whole model's (what every DDP rank holds).
-Epoch-end evaluations that fall between timed steps are left out of the timing.
+Evaluations that fall between timed steps (epoch ends, trainer.eval_every as configured) are
+left out of tokens/s and kept in wall tokens/s (bench train writes no snapshots).
 MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
 processes / (matmul peak for the precision in use x processes), reported twice: against
 the measured peak, and on known GPUs against the datasheet's dense peak.
@@ -62,13 +64,12 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import config, distributed
+from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu)
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
@@ -101,12 +102,8 @@ def parse_bytes(text: str) -> int:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="bench"):
-        cfg = hydra_compose("config", overrides=overrides)
-    config.validate(cfg)
+    cfg = config.compose(overrides, job_name="bench")
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     return cfg
 
 
@@ -119,27 +116,30 @@ def build_trainer(cfg, dist, saver=None):
     from mingpt_ddp.model import GPT, GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
-    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
-    model_cfg = GPTConfig(vocab_size=corpus.vocab.size, block_size=cfg.data.block_size,
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
     model = GPT(model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
-    metadata = {"vocab": corpus.vocab.chars, "model_config": dict(vars(model_cfg)),
+    metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
+                "model_config": dict(vars(model_cfg)),
                 "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))}
-    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist,
-                   MetricsLog(None, enabled=False, total_steps=0), saver, metadata)
+    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, MetricsLog(None, enabled=False, total_steps=0),
+                   saver, metadata, token_bytes=torch.from_numpy(tok.byte_lengths()))
 
 
-def bench_run_settings(cfg, total_steps: int) -> None:
-    """Run exactly `total_steps` optimizer steps, with evaluation and saving out of the way."""
+def bench_run_settings(cfg, total_steps: int, keep_evaluations: bool = False) -> None:
+    """Run exactly `total_steps` optimizer steps, with saving (and, unless `keep_evaluations`,
+    evaluation) out of the way."""
     t = cfg.trainer
     t.max_steps = total_steps
-    t.eval_every = 10**9
-    t.eval_batches = 1
+    if not keep_evaluations:
+        t.eval_every = 10**9
+        t.eval_batches = 1
     t.save_every = 10**9
     t.snapshot_every_steps = None
-    t.snapshot_every_minutes = None
+    t.snapshot_every_minutes = 0  # never (null would mean every 30 minutes on GPUs)
     # Enough epochs for the steps, without making the planner walk millions of epochs.
     windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.isfile(cfg.data.path) else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -328,13 +328,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     steps, warmup = int(options["steps"] or 20), int(options["warmup"])
     if steps < 1 or warmup < 0:
         raise ConfigError("steps must be >= 1 and warmup >= 0")
-    bench_run_settings(cfg, warmup + steps)
+    bench_run_settings(cfg, warmup + steps, keep_evaluations=True)  # as configured: in the wall time only
     wait_until_quiet(float(options["wait_quiet"]), dist)
     trainer = build_trainer(cfg, dist)
     device = trainer.device
     step_s: list[float] = []  # each optimizer step's seconds, evaluations left out
     noise: list[CpuNoise] = []
     last = [0.0]
+    wall = [0.0, 0.0]  # the timed steps' start and end, evaluations between them included
 
     def on_step(t) -> None:
         if t.state.step == warmup or t.state.step == warmup + steps:
@@ -345,6 +346,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         if t.state.step > warmup:
             step_s.append(now - last[0])
         last[0] = now
+        if t.state.step == warmup:
+            wall[0] = now
+        if t.state.step == warmup + steps:
+            wall[1] = now
 
     def evaluate_untimed(*args, evaluate=trainer.evaluate, **kwargs):
         """An epoch-end evaluation between timed steps (e.g. gpt2 at block 1024 on 2 GPUs
@@ -364,13 +369,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     if warmup == 0:
         sync(device)
         noise.append(CpuNoise(dist))
-        last[0] = time.perf_counter()
+        last[0] = wall[0] = time.perf_counter()
     trainer.fit()
     state_bytes = measured_state_bytes(trainer)
     elapsed = sum(step_s[-steps:])
     slowest = all_ranks_max(elapsed, device)
     tokens = steps * trainer.global_batch * trainer.block_size
     tokens_per_s = tokens / slowest
+    wall_s = all_ranks_max(wall[1] - wall[0], device)
     memory = all_ranks_max(float(peak_memory_bytes(device)), device)
     return {
         "model": {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "dropout")},
@@ -381,6 +387,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
+        # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
+        # configured; bench train writes no snapshots): what a run's length is planned from
+        "wall_tokens_per_s": tokens / max(wall_s, slowest),
+        "eval_every": cfg.trainer.eval_every,
         "ms_per_step": 1e3 * slowest / steps,
         # per-step times only mean something where the host waits for the device (CPU)
         "ms_per_step_median": 1e3 * statistics.median(step_s) if device.type == "cpu" else None,
@@ -459,9 +469,10 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     steps = int(options["steps"] or 2000)
     bench_run_settings(cfg, steps)
     wait_until_quiet(float(options["wait_quiet"]), dist)
-    start = time.perf_counter()
-    _, token_file = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
+    start, cpu_start = time.perf_counter(), _own_cpu_seconds()
+    _, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
     first_load_s = time.perf_counter() - start
+    first_load_cpu_s = _own_cpu_seconds() - cpu_start  # all of this process's threads: robust to other jobs
     # A first Trainer takes the one-off costs of a process (peak FLOP/s, first kernels), the
     # same for any corpus; what follows is what differs between corpora when the token file exists.
     build_trainer(cfg, dist)
@@ -494,7 +505,7 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     per_rank = samples / slowest
     # Every page of the token file read once by every rank (an epoch does as much): the
     # node's memory for the corpus is then what the ranks' mappings add up to.
-    trainer.corpus.tokens.max()  # (a sum would widen the whole corpus to int64 first)
+    trainer.corpus.tokens.numpy().max()  # (a sum would widen the whole corpus to int64; torch has no uint16 max)
     mapped = mapped_file_memory(os.path.join(token_cache.tokens_dir(cfg.data.cache_dir), token_file.name))
     node_pss = None
     if mapped is not None:
@@ -510,8 +521,13 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         "epoch_start_ms": 1e3 * first_s,
         "corpus": cfg.data.path, "corpus_bytes": token_file.corpus_bytes,
         "token_file_bytes": token_file.length * np.dtype(token_file.dtype).itemsize, "token_dtype": token_file.dtype,
+        "tokenizer": tok.describe(), "bytes_per_token": token_file.corpus_bytes / token_file.length,
         "encoded": token_file.encode_s is not None, "first_load_s": first_load_s,
         "encode_MBps": token_file.corpus_bytes / 1e6 / token_file.encode_s if token_file.encode_s else None,
+        # the cores the encoding could use (char encodes on one; bpe and gpt2 on all of them)
+        "encode_cores": 1 if tok.kind == "char" else len(os.sched_getaffinity(0)),
+        # MB per second of CPU time (what one core does, whatever else shares the machine)
+        "encode_MB_per_cpu_s": token_file.corpus_bytes / 1e6 / first_load_cpu_s if token_file.encode_s else None,
         "cached_load_s": cached_load_s,
         # token file reused -> corpus mapped, Trainer built, first step's batches ready
         "startup_s": startup_s,
@@ -792,9 +808,9 @@ def report(mode: str, result: dict[str, Any]) -> None:
             f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
             f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
             f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
-            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU%(measured)",
+            ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s", "median ms", "best-window ms", "MFU%(measured)",
              "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
-            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
+            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"], result["wall_tokens_per_s"],
               result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
               100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
@@ -805,6 +821,8 @@ def report(mode: str, result: dict[str, Any]) -> None:
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+        print(f"# tokens/s: the timed steps alone; wall-tokens/s: their wall time, evaluations among them included "
+              f"(trainer.eval_every={result['eval_every']}; no snapshots are written by bench train)")
         mib = {name: [v / 2**20 for v in (*b.values(), sum(b.values()))] for name, b in
                (("per rank", result["state_bytes_per_rank"]), ("whole model", result["state_bytes_whole_model"]))}
         print_table(f"memory, trainer.strategy={result['strategy']}: bytes read off the tensors after a step (per rank: "
@@ -837,11 +855,13 @@ def report(mode: str, result: dict[str, Any]) -> None:
         )
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
         print_table(
-            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file "
-            f"({'encoded now' if result['encoded'] else 'reused'})",
-            ["encode MB/s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
+            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file, "
+            f"{result['tokenizer']}, {result['bytes_per_token']:.2f} bytes/token "
+            f"({'encoded now' if result['encoded'] else 'reused'}; encoding on {result['encode_cores']} core(s))",
+            ["encode MB/s", "MB/s per core", "MB per CPU-s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
              "map PSS MiB/node"],
-            [[result["encode_MBps"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
+            [[result["encode_MBps"], result["encode_MBps"] and result["encode_MBps"] / result["encode_cores"],
+              result["encode_MB_per_cpu_s"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
               mib(result["peak_rss_bytes"]), mib(result["token_map_rss_bytes"]),
               mib(result["node_token_map_pss_bytes"])]],
         )

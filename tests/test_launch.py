@@ -353,5 +353,5 @@ def test_missing_s3fs_for_an_s3_url_is_one_line_naming_it(tmp_path, small_corpus
     out = output(proc)
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, out
-    assert "s3fs" in errors[0] and f"{python} -m pip install 's3fs>=2023.6'" in errors[0], errors
+    assert "s3fs" in errors[0] and f"{python} -m pip install 's3fs>=2024.12'" in errors[0], errors
     assert "Traceback" not in out, out
