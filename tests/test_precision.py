@@ -225,9 +225,9 @@ def test_mfu_stays_under_100_percent_when_the_start_up_peak_was_held_down(tmp_pa
     trainer = make_trainer(shakespeare.read_text()[:20_000])
     trainer.metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=10)
     trainer.peak_flops = 1e6
-    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01)
+    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01, wall_seconds=0.01)
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record["mfu"] == pytest.approx(1.0) and trainer.peak_flops > 1e6
     trainer.peak_flops = 1e15  # a plausible peak is left alone
-    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01)
+    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01, wall_seconds=0.01)
     assert trainer.peak_flops == 1e15
