@@ -162,8 +162,16 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any],
     return found
 
 
-def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
-    """Refuse a snapshot made for another model or vocabulary, saying which part differs."""
+def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary,
+                     optimizer: str = "adamw") -> None:
+    """Refuse a snapshot made for another model, vocabulary or optimizer, saying which part differs."""
+    saved_optimizer = snapshot.get("config", {}).get("optimizer", {}).get("name", "adamw")
+    if saved_optimizer != optimizer:
+        raise ConfigError(
+            f"snapshot {where} was trained with optimizer.name={saved_optimizer} but the config says {optimizer} "
+            f"(its state does not carry over): set optimizer.name={saved_optimizer} to resume it, or use a new "
+            "hydra.run.dir / trainer.snapshot_path to start over with another optimizer"
+        )
     saved = snapshot["model_config"]
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if saved[key] != getattr(model_cfg, key):
@@ -249,7 +257,8 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
-        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab), dist)
+        optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
+        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab, optimizer), dist)
         state = TrainState(**snapshot["train_state"])
         if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
             if dist.is_main:

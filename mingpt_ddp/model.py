@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mingpt_ddp.muon import Muon
+
 
 @dataclass
 class GPTConfig:
@@ -149,15 +151,30 @@ class GPT(nn.Module):
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * T * self.cfg.n_embd
 
+    def matmul_shapes(self, rows: int) -> list[tuple[int, int, int]]:
+        """(rows, inner, columns) of the largest matmuls a pass over `rows` tokens runs (qkv,
+        the MLP's two, the head): where the peak that MFU is quoted against is measured."""
+        d, vocab = self.cfg.n_embd, self.cfg.vocab_size
+        return [(rows, d, 3 * d), (rows, d, 4 * d), (rows, 4 * d, d)] + ([(rows, d, vocab)] if vocab > d else [])
+
     def configure_optimizer(
-        self, lr: float, weight_decay: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices only (not on biases, LayerNorms)."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        self, lr: float, weight_decay: float, betas: tuple[float, float], device_type: str,
+        muon_lr: Optional[float] = None, muon_momentum: float = 0.95, ns_dtype: torch.dtype = torch.float32,
+    ) -> torch.optim.Optimizer:
+        """AdamW with weight decay on matrices only (not on biases, LayerNorms). With
+        `muon_lr`: Muon for the blocks' weight matrices at that LR (orthogonalised in
+        `ns_dtype`), AdamW for the rest (embeddings and the tied head with weight decay)."""
+        params = {name: p for name, p in self.named_parameters() if p.requires_grad}
+        muon = {name for name, p in params.items() if muon_lr is not None and p.dim() == 2
+                and name.startswith("blocks.")}
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for n, p in params.items() if p.dim() >= 2 and n not in muon], "weight_decay": weight_decay},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
         ]
+        if muon_lr is not None:
+            groups.append({"params": [params[n] for n in params if n in muon], "weight_decay": weight_decay,
+                           "muon": True, "lr_scale": muon_lr / lr})
+            return Muon(groups, lr=lr, betas=tuple(betas), momentum=muon_momentum, ns_dtype=ns_dtype)
         fused_ok = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused_ok or None)
 

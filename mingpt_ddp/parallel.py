@@ -92,7 +92,11 @@ class Strategy:
         return self.precision.grad_scaler()
 
     def make_optimizer(self, cfg: OptimizerConfig) -> torch.optim.Optimizer:
-        return self.model.configure_optimizer(cfg.lr, cfg.weight_decay, tuple(cfg.betas), self.dist.device.type)
+        muon = getattr(cfg.name, "value", cfg.name) == "muon"
+        # Muon's orthogonalisation in the precision the run computes in: bf16 where that is fast.
+        return self.model.configure_optimizer(cfg.lr, cfg.weight_decay, tuple(cfg.betas), self.dist.device.type,
+                                              muon_lr=cfg.muon_lr if muon else None,
+                                              muon_momentum=cfg.muon_momentum, ns_dtype=self.precision.dtype)
 
     def check_accumulation(self, accum_steps: int, configured: int) -> None:
         """DDP's static_graph and no_sync (gradient accumulation) do not mix: DDP's reducer
