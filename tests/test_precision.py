@@ -65,6 +65,18 @@ def test_a_losing_bf16_pass_ends_the_probe_at_once(tmp_path):
     assert calls == [("fp32", 32, 16), ("bf16", 32, 16)]
 
 
+def test_a_slow_bf16_warm_up_where_its_matmuls_are_faster_is_set_up_not_speed(tmp_path):
+    """The first bf16 pass of a process sets its kernels up (a second on a busy machine)."""
+    calls, measure = [], fake_measure({"fp32": 1e-3, "bf16": 5e-4}, [])
+
+    def slow_first_bf16(model, name, batch, block):
+        calls.append(name)
+        return measure(model, name, batch, block) * (8 if calls == ["fp32", "bf16"] else 1)
+    choice = precision.measured_cpu_choice(tiny_model(), 32, 16, str(tmp_path / "a.json"), slow_first_bf16,
+                                           lambda d, rows: 0.5, lambda model, tokens: 1e-3)
+    assert choice == "bf16" and calls == ["fp32", "bf16"] * 3
+
+
 def test_bf16_matmuls_several_times_slower_mean_no_bf16_pass_at_all(tmp_path):
     """30x: a real AVX2-only CPU; 2.5x: the least the AVX2 emulation showed on 64-row matmuls
     (3.0-8x at 128-1024 dims, 0.4-0.6x natively with AVX512-BF16)."""
