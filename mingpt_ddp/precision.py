@@ -136,8 +136,9 @@ def pass_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
     return seconds
 
 
-MATMUL_PROBE_FLOPS = 3e8  # the pre-probe's fp32 matmul: a few ms of one core; bf16 emulated: about 4x (30x on real AVX2)
-MATMUL_ROWS = 64  # rows of the pre-probe's matmul: fewer hide emulated bf16 (2-3x at 16 rows of 768-1024 dims)
+MATMUL_PROBE_FLOPS = 3e8  # the pre-probe's fp32 matmul: a few ms of one core; bf16 emulated: 3-40x (30x on real AVX2)
+MATMUL_ROWS = (64, 1024)  # its rows: fewer hide emulated bf16 (2-3x at 16 rows of 768-1024 dims) and, on narrow
+# layers, bf16's gain (a 64 x 48 @ 48 x 192 one read bf16 2x slower where gpt-nano's passes are 1.2x faster in bf16)
 MATMUL_LOSING = 2.0  # bf16 matmuls this much slower than fp32: no bf16 pass is run at all
 WARMUP_LOSING = 3.0  # a first (warm-up) bf16 pass this much slower than fp32's first ends the probe
 LOSING = 1.5  # a timed bf16 pass this much slower than fp32's ends the probe
@@ -150,12 +151,13 @@ _clock = time.perf_counter  # the decision's clock (a fake one in tests)
 
 
 def bf16_matmul_slowdown(n_embd: int, rows: int) -> float:
-    """bf16's seconds over fp32's on the model's MLP matmul, (rows x d) @ (d x 4d) with up to
-    MATMUL_ROWS rows, on one thread and timed in that thread's CPU time, so that others' load
+    """bf16's seconds over fp32's on the model's MLP matmul, (rows x d) @ (d x 4d) with the
+    micro-batch's rows, 64-1024 of them (MATMUL_PROBE_FLOPS at most above 64), on one thread and timed in that thread's CPU time, so that others' load
     on the cores does not blur it: under 0.1 s even where bf16 is emulated in software
     (3-8x slower than fp32 under the AVX2 emulation, 30x on real AVX2-only CPUs; 0.4-0.6x with
     AVX512-BF16, measured at 128-1024 dims)."""
-    rows = int(max(1, min(rows, MATMUL_ROWS, max(16, MATMUL_PROBE_FLOPS // (8 * n_embd * n_embd)))))
+    low, high = MATMUL_ROWS
+    rows = int(max(1, min(rows, high, max(low, MATMUL_PROBE_FLOPS // (8 * n_embd * n_embd)))))
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(rows, n_embd, generator=generator)
     b = torch.randn(4 * n_embd, n_embd, generator=generator)
