@@ -220,8 +220,10 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
         on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab), dist)
+        lifted = time_budget.lift_changed_plan(snapshot, cfg.trainer.time_budget_minutes)
+        if lifted and dist.is_main:
+            log.info(lifted)
         state = TrainState(**snapshot["train_state"])
-        time_budget.lift_changed_plan(state, snapshot, cfg.trainer.time_budget_minutes)
         if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
             if dist.is_main:
                 by_plan = not is_finished(dataclasses.replace(state, planned_steps=None), cfg.trainer)
@@ -338,7 +340,9 @@ def _check_ranks_resolved_the_same(cfg: DictConfig) -> None:
         raise ConfigError(f"rank {failed[0][0]} {failed[0][1]}")
     every_key = set().union(*(m for m, _, _ in ranks))
     keys = sorted(k for k in every_key if len({repr(m.get(k, "<missing>")) for m, _, _ in ranks}) > 1)
-    values = ", ".join(f"rank {rank}: {theirs.get(keys[0], '<missing>')}" for rank, (_, theirs, _) in enumerate(ranks[:4]))
+    secret = storage.is_secret_name(keys[0].rsplit(".", 1)[-1])
+    values = ", ".join(f"rank {rank}: {storage.REDACTED if secret else theirs.get(keys[0], '<missing>')}"
+                       for rank, (_, theirs, _) in enumerate(ranks[:4]))
     raise ConfigError(
         f"ranks resolved different configurations: {', '.join(keys)} ({keys[0]}: {values}"
         f"{', ...' if len(ranks) > 4 else ''}): every rank must train the same configuration; set these keys on "

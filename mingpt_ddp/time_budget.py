@@ -34,15 +34,16 @@ def _budget(minutes: Optional[float]) -> str:
     return "none" if minutes is None else f"{minutes:g} min"
 
 
-def lift_changed_plan(state: "TrainState", snapshot: dict[str, Any], minutes: Optional[float]) -> Optional[str]:
-    """Drop the snapshot's plan (state.planned_steps) when trainer.time_budget_minutes is not
-    the budget it was planned for: with none, max_epochs/max_steps decide; with another, that
-    many minutes are planned afresh from this launch's pace. Returns a note saying so, or
-    None when the plan stands."""
-    saved = snapshot.get("config", {}).get("trainer", {})
-    if state.planned_steps is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float]) -> Optional[str]:
+    """Drop the snapshot's plan (its train state's planned_steps) when
+    trainer.time_budget_minutes is not the budget it was planned for: with none,
+    max_epochs/max_steps decide; with another, that many minutes are planned afresh from
+    this launch's pace. Returns a note saying so, or None when the plan stands."""
+    state, saved = snapshot["train_state"], snapshot.get("config", {}).get("trainer", {})
+    plan = state.get("planned_steps")
+    if plan is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
         return None
-    plan, state.planned_steps = state.planned_steps, None
+    state["planned_steps"] = None
     then = ("trainer.max_epochs/max_steps decide how far it trains" if minutes is None
             else f"{minutes:g} more minutes are planned from the pace of this launch")
     return (f"time budget changed from {_budget(saved['time_budget_minutes'])} to {_budget(minutes)}: its plan of {plan} "

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mingpt_ddp import distributed, parallel, precision, time_budget
+from mingpt_ddp import distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
@@ -196,9 +196,6 @@ class Trainer:
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
-        lifted = time_budget.lift_changed_plan(self.state, snapshot, self.cfg.time_budget_minutes)
-        if lifted:
-            self.metrics.note(lifted)
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         self._resume_global_batch(snapshot)
         rng_per_rank = snapshot["rng"]
