@@ -1,1 +1,6 @@
 """mingpt-ddp: a minGPT trainer for multi-node PyTorch DDP."""
+from mingpt_ddp.dependencies import require_torch as _require_torch
+
+# Before anything else of the package: an older torch is one line naming the release needed,
+# not a failure at the first API it lacks (every entry point imports this package first).
+_require_torch()

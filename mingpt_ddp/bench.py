@@ -18,11 +18,16 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
   peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
-            (when this node had no token file yet), start-up with the token file reused,
+            and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
+            training the BPE), start-up with the token file reused,
             peak RSS, and the node's memory for the corpus (PSS of the mapped token file
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
-  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
+  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5; also the transport
+            each rank's collectives use (gloo: TCP on GLOO_SOCKET_IFNAME; NCCL: P2P, SHM or
+            NET/<plugin>, read from NCCL's own INFO log). project=TRAIN.json (a `bench train`
+            JSON of one process: its step time is the compute) hosts=2,4,8,16: DDP's step time
+            at N hosts of the link just measured, step = compute + exposed comm
   precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
             what trainer.precision=auto decides; models=gpt-nano,experiment=char_cpu_fast,...
             (one row each; `all`: the five presets and the fast CPU recipe)
@@ -32,7 +37,8 @@ measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.stra
 clipping, optimizer, logging. It also reports the bytes of parameters, gradients and
 optimizer state read off the live tensors: each rank's own (its shards under FSDP) and the
 whole model's (what every DDP rank holds).
-Epoch-end evaluations that fall between timed steps are left out of the timing.
+Evaluations that fall between timed steps (epoch ends, trainer.eval_every as configured) are
+left out of tokens/s and kept in wall tokens/s (bench train writes no snapshots).
 MFU = model FLOPs per token (GPT.flops_per_token: 6N + 12*L*T*d) x tokens/s over all
 processes / (matmul peak for the precision in use x processes), reported twice: against
 the measured peak, and on known GPUs against the datasheet's dense peak.
@@ -56,16 +62,16 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import config, distributed
+from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
+    "project": None, "hosts": "2,4,8,16",
 }
 
 
@@ -93,12 +99,8 @@ def parse_bytes(text: str) -> int:
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    config.register()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="bench"):
-        cfg = hydra_compose("config", overrides=overrides)
-    config.validate(cfg)
+    cfg = config.compose(overrides, job_name="bench")
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     return cfg
 
 
@@ -111,27 +113,30 @@ def build_trainer(cfg, dist, saver=None):
     from mingpt_ddp.model import GPT, GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
-    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
-    model_cfg = GPTConfig(vocab_size=corpus.vocab.size, block_size=cfg.data.block_size,
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
     model = GPT(model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
-    metadata = {"vocab": corpus.vocab.chars, "model_config": dict(vars(model_cfg)),
+    metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
+                "model_config": dict(vars(model_cfg)),
                 "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))}
-    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist,
-                   MetricsLog(None, enabled=False, total_steps=0), saver, metadata)
+    return Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, MetricsLog(None, enabled=False, total_steps=0),
+                   saver, metadata, token_bytes=torch.from_numpy(tok.byte_lengths()))
 
 
-def bench_run_settings(cfg, total_steps: int) -> None:
-    """Run exactly `total_steps` optimizer steps, with evaluation and saving out of the way."""
+def bench_run_settings(cfg, total_steps: int, keep_evaluations: bool = False) -> None:
+    """Run exactly `total_steps` optimizer steps, with saving (and, unless `keep_evaluations`,
+    evaluation) out of the way."""
     t = cfg.trainer
     t.max_steps = total_steps
-    t.eval_every = 10**9
-    t.eval_batches = 1
+    if not keep_evaluations:
+        t.eval_every = 10**9
+        t.eval_batches = 1
     t.save_every = 10**9
     t.snapshot_every_steps = None
-    t.snapshot_every_minutes = None
+    t.snapshot_every_minutes = 0  # never (null would mean every 30 minutes on GPUs)
     # Enough epochs for the steps, without making the planner walk millions of epochs.
     windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.isfile(cfg.data.path) else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -308,13 +313,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     steps, warmup = int(options["steps"] or 20), int(options["warmup"])
     if steps < 1 or warmup < 0:
         raise ConfigError("steps must be >= 1 and warmup >= 0")
-    bench_run_settings(cfg, warmup + steps)
+    bench_run_settings(cfg, warmup + steps, keep_evaluations=True)  # as configured: in the wall time only
     wait_until_quiet(float(options["wait_quiet"]), dist)
     trainer = build_trainer(cfg, dist)
     device = trainer.device
     step_s: list[float] = []  # each optimizer step's seconds, evaluations left out
     noise: list[CpuNoise] = []
     last = [0.0]
+    wall = [0.0, 0.0]  # the timed steps' start and end, evaluations between them included
 
     def on_step(t) -> None:
         if t.state.step == warmup or t.state.step == warmup + steps:
@@ -325,6 +331,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         if t.state.step > warmup:
             step_s.append(now - last[0])
         last[0] = now
+        if t.state.step == warmup:
+            wall[0] = now
+        if t.state.step == warmup + steps:
+            wall[1] = now
 
     def evaluate_untimed(*args, evaluate=trainer.evaluate, **kwargs):
         """An epoch-end evaluation between timed steps (e.g. gpt2 at block 1024 on 2 GPUs
@@ -344,13 +354,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     if warmup == 0:
         sync(device)
         noise.append(CpuNoise(dist))
-        last[0] = time.perf_counter()
+        last[0] = wall[0] = time.perf_counter()
     trainer.fit()
     state_bytes = measured_state_bytes(trainer)
     elapsed = sum(step_s[-steps:])
     slowest = all_ranks_max(elapsed, device)
     tokens = steps * trainer.global_batch * trainer.block_size
     tokens_per_s = tokens / slowest
+    wall_s = all_ranks_max(wall[1] - wall[0], device)
     memory = all_ranks_max(float(peak_memory_bytes(device)), device)
     return {
         "model": {k: cfg.model[k] for k in ("n_layer", "n_head", "n_embd", "dropout")},
@@ -361,6 +372,10 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
+        # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
+        # configured; bench train writes no snapshots): what a run's length is planned from
+        "wall_tokens_per_s": tokens / max(wall_s, slowest),
+        "eval_every": cfg.trainer.eval_every,
         "ms_per_step": 1e3 * slowest / steps,
         # per-step times only mean something where the host waits for the device (CPU)
         "ms_per_step_median": 1e3 * statistics.median(step_s) if device.type == "cpu" else None,
@@ -439,9 +454,10 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     steps = int(options["steps"] or 2000)
     bench_run_settings(cfg, steps)
     wait_until_quiet(float(options["wait_quiet"]), dist)
-    start = time.perf_counter()
-    _, token_file = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
+    start, cpu_start = time.perf_counter(), _own_cpu_seconds()
+    _, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
     first_load_s = time.perf_counter() - start
+    first_load_cpu_s = _own_cpu_seconds() - cpu_start  # all of this process's threads: robust to other jobs
     # A first Trainer takes the one-off costs of a process (peak FLOP/s, first kernels), the
     # same for any corpus; what follows is what differs between corpora when the token file exists.
     build_trainer(cfg, dist)
@@ -474,7 +490,7 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     per_rank = samples / slowest
     # Every page of the token file read once by every rank (an epoch does as much): the
     # node's memory for the corpus is then what the ranks' mappings add up to.
-    trainer.corpus.tokens.max()  # (a sum would widen the whole corpus to int64 first)
+    trainer.corpus.tokens.numpy().max()  # (a sum would widen the whole corpus to int64; torch has no uint16 max)
     mapped = mapped_file_memory(os.path.join(token_cache.tokens_dir(cfg.data.cache_dir), token_file.name))
     node_pss = None
     if mapped is not None:
@@ -490,8 +506,13 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         "epoch_start_ms": 1e3 * first_s,
         "corpus": cfg.data.path, "corpus_bytes": token_file.corpus_bytes,
         "token_file_bytes": token_file.length * np.dtype(token_file.dtype).itemsize, "token_dtype": token_file.dtype,
+        "tokenizer": tok.describe(), "bytes_per_token": token_file.corpus_bytes / token_file.length,
         "encoded": token_file.encode_s is not None, "first_load_s": first_load_s,
         "encode_MBps": token_file.corpus_bytes / 1e6 / token_file.encode_s if token_file.encode_s else None,
+        # the cores the encoding could use (char encodes on one; bpe and gpt2 on all of them)
+        "encode_cores": 1 if tok.kind == "char" else len(os.sched_getaffinity(0)),
+        # MB per second of CPU time (what one core does, whatever else shares the machine)
+        "encode_MB_per_cpu_s": token_file.corpus_bytes / 1e6 / first_load_cpu_s if token_file.encode_s else None,
         "cached_load_s": cached_load_s,
         # token file reused -> corpus mapped, Trainer built, first step's batches ready
         "startup_s": startup_s,
@@ -601,14 +622,83 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
+NCCL_LOG_DIR = "MINGPT_NCCL_LOG_DIR"  # where nccl_log_to_files() sent NCCL's INFO log
+
+
+def nccl_log_to_files() -> None:
+    """Before NCCL starts (GPUs only): NCCL's INFO log into one file per process, read back
+    after the collectives to say which transport NCCL chose. Where NCCL_DEBUG_FILE is the
+    user's own, nothing changes (and the transport is not reported)."""
+    if not torch.cuda.is_available() or os.environ.get("NCCL_DEBUG_FILE"):
+        return
+    log_dir = tempfile.mkdtemp(prefix="mingpt-nccl-")
+    os.environ.update({NCCL_LOG_DIR: log_dir, "NCCL_DEBUG": "INFO",
+                       "NCCL_DEBUG_FILE": os.path.join(log_dir, f"nccl.{os.getpid()}.log")})
+
+
+def nccl_transport(log: str) -> dict[str, Any]:
+    """What NCCL's INFO log says it chose: its version, the transports of its channels
+    ("P2P" GPU peer access over NVLink/PCIe, "SHM" shared memory, "NET/<network>" between
+    nodes), the network plugin (and the libfabric provider under aws-ofi-nccl)."""
+    kinds: dict[str, int] = {}
+    for kind, sub in re.findall(r" via (\w+)(?:/([^/\n]+))?", log):
+        name = f"NET/{sub}" if kind == "NET" and sub else kind
+        kinds[name] = kinds.get(name, 0) + 1
+    version = re.search(r"NCCL version ([\w.+-]+)", log)
+    network = re.search(r"Using network (.+)", log)
+    provider = re.search(r"NET/OFI Selected [Pp]rovider is (\w+)", log)
+    plugin = re.search(r"NET/OFI Initializing (aws-ofi-nccl [\w.-]+)", log)
+    return {"nccl": version and version[1], "channels": kinds, "network": network and network[1].strip(),
+            "provider": provider and provider[1], "plugin": plugin and plugin[1]}
+
+
+def describe_transport(t: dict[str, Any]) -> str:
+    """One line for a rank's transport, with the sign of lost GPU peer access."""
+    if t["backend"] == "gloo":
+        ifname = t.get("gloo_socket_ifname")
+        return f"gloo over TCP on {f'interface {ifname} (GLOO_SOCKET_IFNAME)' if ifname else 'the address the host name resolves to (GLOO_SOCKET_IFNAME unset)'}"
+    if "channels" not in t:
+        return f"NCCL: {t.get('unknown', 'transport unknown')}"
+    parts = [f"{k} x{n}" for k, n in sorted(t["channels"].items())] or ["no channel set up (one rank)"]
+    line = f"NCCL {t['nccl'] or '?'}: " + ", ".join(parts)
+    if t["network"]:
+        line += f"; network {t['network']}" + (f" ({t['plugin']}, provider {t['provider']})" if t["plugin"] or t["provider"] else "")
+    if "SHM" in t["channels"] and "P2P" not in t["channels"]:
+        line += ("; GPUs of a node talk through host shared memory, not peer access: each rank sees only its "
+                 "own GPU (srun --gpus-per-task=1, cgroup device isolation) or P2P is disabled (NCCL_P2P_DISABLE)")
+    return line
+
+
+def own_transport(dist) -> dict[str, Any]:
+    """This rank's transport, as far as it can be known."""
+    found: dict[str, Any] = {"rank": dist.rank, "host": platform.node(), "backend": dist.backend}
+    if dist.backend == "gloo":
+        found["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")
+        return found
+    log_file = os.environ.get("NCCL_DEBUG_FILE", "")
+    if not os.environ.get(NCCL_LOG_DIR) or not os.path.isfile(log_file):
+        found["unknown"] = "transport unknown (NCCL_DEBUG_FILE is set by you: look for ' via ' lines there)"
+        return found
+    with open(log_file, errors="replace") as f:
+        found.update(nccl_transport(f.read()))
+    return found
+
+
 def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it."""
+    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it;
+    the transport behind it; and, given a one-process `bench train` JSON, DDP's step time
+    projected to N hosts of this link."""
     if overrides:
         raise ConfigError(f"comm takes no config overrides: {overrides}")
+    compute = load_compute(options["project"]) if options["project"] else None
+    hosts = parse_hosts(options["hosts"])
     own_group = not torch_dist.is_initialized()
     if own_group:  # one process: a group of one still measures the call's own cost
         torch_dist.init_process_group(dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     n = torch_dist.get_world_size()
+    if compute is not None and n < 2:
+        raise ConfigError("project= needs the all_reduce measured over 2 or more ranks, one per host across the "
+                          "link (torchrun --nnodes=2 --nproc_per_node=1 ...)")
     lo, hi = parse_bytes(options["min_bytes"]), parse_bytes(options["max_bytes"])
     warmup = int(options["warmup"])
     sizes, s = [], max(4, lo)
@@ -642,10 +732,96 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         rows.append({"size": count * 4, "count": count, "type": "float", "redop": "sum", "time_us": seconds * 1e6,
                      "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
                      "iters": iters, "timed_data_finite": finite})
+    transport = distributed.all_gather_object(own_transport(dist))
     if own_group:
         torch_dist.destroy_process_group()
-    return {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
-            "other_cpu_busy": noise.fraction()}
+    result = {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
+              "other_cpu_busy": noise.fraction(), "transport": transport}
+    if compute is not None:
+        result["projection"] = {"compute": compute,
+                                "hosts": [project_ddp_step(compute, rows, h) for h in hosts]}
+    return result
+
+
+# ---- DDP's step time at N hosts of a link, from its measured busbw --------------------------
+BACKWARD_SHARE = 2 / 3  # of a training step's compute: backward is ~2x the forward's FLOPs
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first (rebuilt) bucket: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def parse_hosts(text: str) -> list[int]:
+    try:
+        hosts = [int(h) for h in str(text).split(",") if h.strip()]
+    except ValueError:
+        hosts = []
+    if not hosts or min(hosts) < 2:
+        raise ConfigError(f"hosts={text}: give host counts of 2 or more, e.g. hosts=2,4,8")
+    return hosts
+
+
+def load_compute(path: str) -> dict[str, Any]:
+    """What the projection needs from a `bench train` JSON of one process: the step time
+    (compute alone, no gradient exchange), the gradient bytes and DDP's bucket size."""
+    try:
+        train = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"project={path}: cannot read a bench train JSON there ({exc})") from None
+    if train.get("mode") != "train" or train.get("env", {}).get("world_size") != 1:
+        raise ConfigError(f"project={path}: give the JSON of `python -m mingpt_ddp.bench train ... out={path}` "
+                          "run as one process (its step time is the compute without any gradient exchange)")
+    if train.get("strategy", "ddp") != "ddp":
+        raise ConfigError(f"project={path}: the projection models DDP's all_reduce; this run used {train['strategy']}")
+    cfg = compose(train.get("overrides", []))
+    step_ms = train.get("ms_per_step_median") or train["ms_per_step"]
+    return {"step_ms": step_ms, "gradient_bytes": int(train["state_bytes_whole_model"]["gradients"]),
+            "bucket_bytes": int(cfg.trainer.ddp_bucket_cap_mb * 2**20), "parameters": train["parameters"],
+            "source": path}
+
+
+def busbw_at(rows: list[dict[str, Any]], size: int) -> float:
+    """Measured busbw at `size` bytes, interpolated on a log scale between the sizes measured
+    (the nearest end outside them)."""
+    import math
+
+    pts = sorted((r["size"], r["busbw_GBps"]) for r in rows if r["busbw_GBps"] > 0)
+    if size <= pts[0][0]:
+        return pts[0][1] * size / pts[0][0]  # below the smallest size the time stays latency-bound
+    for (s0, b0), (s1, b1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return b0 + w * (b1 - b0)
+    return pts[-1][1]
+
+
+def project_ddp_step(compute: dict[str, Any], rows: list[dict[str, Any]], hosts: int) -> dict[str, Any]:
+    """DDP's step time at `hosts` hosts of this link: step = compute + exposed comm.
+
+    The gradients leave in DDP's buckets (the first 1 MiB, then the configured size), in
+    the order backward produces them; each bucket's ring all_reduce moves 2(N-1)/N of its
+    bytes over every host's link and takes that over the busbw measured at its size (a
+    ring's busbw does not depend on N). A bucket's all_reduce starts when backward has
+    produced the bucket (gradients taken to arrive evenly over the backward, BACKWARD_SHARE
+    of the step) and the previous one has finished; what runs past the end of the backward
+    is exposed. Latency that grows with N (2(N-1) hops) is left out.
+    """
+    compute_s, grad, cap = compute["step_ms"] / 1e3, compute["gradient_bytes"], compute["bucket_bytes"]
+    buckets, left = [], grad
+    for limit in [min(FIRST_BUCKET_BYTES, cap)] + [cap] * (grad // max(1, cap) + 1):
+        if left <= 0:
+            break
+        buckets.append(min(limit, left))
+        left -= buckets[-1]
+    backward_s = compute_s * BACKWARD_SHARE
+    backward_start = compute_s * (1 - BACKWARD_SHARE) / 2  # forward first; the optimizer step after
+    done, end, comm_s = 0, 0.0, 0.0
+    for size in buckets:
+        done += size
+        ready = backward_start + backward_s * done / grad
+        seconds = size * 2 * (hosts - 1) / hosts / (busbw_at(rows, size) * 1e9)
+        end = max(ready, end) + seconds
+        comm_s += seconds
+    exposed_s = max(0.0, end - (backward_start + backward_s))
+    return {"hosts": hosts, "buckets": len(buckets), "comm_ms": 1e3 * comm_s, "exposed_ms": 1e3 * exposed_s,
+            "compute_ms": 1e3 * compute_s, "step_ms": 1e3 * (compute_s + exposed_s)}
 
 
 PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast")
@@ -715,9 +891,9 @@ def report(mode: str, result: dict[str, Any]) -> None:
             f"train: {m['n_layer']}L/{m['n_embd']}d, block {result['block_size']}, batch {result['batch_size']}"
             f"x{result['grad_accum_steps']}x{env['world_size']}, {result['precision']}"
             f"{', compiled' if result['compile'] else ''}, {result['steps']} steps after {result['warmup']}: {where}{noise}",
-            ["tokens/s", "tokens/s/proc", "ms/step", "median ms", "best-window ms", "MFU%(measured)",
+            ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s", "median ms", "best-window ms", "MFU%(measured)",
              "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
-            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"],
+            [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"], result["wall_tokens_per_s"],
               result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
               100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
@@ -728,6 +904,8 @@ def report(mode: str, result: dict[str, Any]) -> None:
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
                   f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+        print(f"# tokens/s: the timed steps alone; wall-tokens/s: their wall time, evaluations among them included "
+              f"(trainer.eval_every={result['eval_every']}; no snapshots are written by bench train)")
         mib = {name: [v / 2**20 for v in (*b.values(), sum(b.values()))] for name, b in
                (("per rank", result["state_bytes_per_rank"]), ("whole model", result["state_bytes_whole_model"]))}
         print_table(f"memory, trainer.strategy={result['strategy']}: bytes read off the tensors after a step (per rank: "
@@ -753,11 +931,13 @@ def report(mode: str, result: dict[str, Any]) -> None:
         )
         mib = lambda v: None if v is None else v / 2**20  # noqa: E731
         print_table(
-            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file "
-            f"({'encoded now' if result['encoded'] else 'reused'})",
-            ["encode MB/s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
+            f"corpus {result['corpus']}: {result['corpus_bytes'] / 1e6:,.1f} MB -> {result['token_dtype']} token file, "
+            f"{result['tokenizer']}, {result['bytes_per_token']:.2f} bytes/token "
+            f"({'encoded now' if result['encoded'] else 'reused'}; encoding on {result['encode_cores']} core(s))",
+            ["encode MB/s", "MB/s per core", "MB per CPU-s", "first load s", "cached load s", "start-up s", "peak RSS MiB", "map RSS MiB/proc",
              "map PSS MiB/node"],
-            [[result["encode_MBps"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
+            [[result["encode_MBps"], result["encode_MBps"] and result["encode_MBps"] / result["encode_cores"],
+              result["encode_MB_per_cpu_s"], result["first_load_s"], result["cached_load_s"], result["startup_s"],
               mib(result["peak_rss_bytes"]), mib(result["token_map_rss_bytes"]),
               mib(result["node_token_map_pss_bytes"])]],
         )
@@ -779,6 +959,19 @@ def report(mode: str, result: dict[str, Any]) -> None:
               r["wrong"]] for r in result["rows"]],
         )
         print(f"# Avg bus bandwidth: {result['avg_busbw_GBps']:.3f} GB/s")
+        seen: dict[str, list[int]] = {}
+        for t in result.get("transport", []):
+            seen.setdefault(f"{t['host']}: {describe_transport(t)}", []).append(t["rank"])
+        for line, ranks in seen.items():
+            print(f"# transport, rank(s) {','.join(map(str, ranks))} on {line}")
+        if "projection" in result:
+            c = result["projection"]["compute"]
+            print(f"# DDP projection: compute {c['step_ms']:.1f} ms/step ({c['source']}), gradients "
+                  f"{c['gradient_bytes'] / 1e6:.2f} MB in buckets of {c['bucket_bytes'] / 2**20:g} MiB")
+            for p in result["projection"]["hosts"]:
+                print(f"at {p['hosts']} hosts of this link, step = compute + exposed comm = {p['compute_ms']:.1f} + "
+                      f"{p['exposed_ms']:.1f} = {p['step_ms']:.1f} ms (all_reduce {p['comm_ms']:.1f} ms in "
+                      f"{p['buckets']} bucket(s), {p['comm_ms'] - p['exposed_ms']:.1f} ms of it behind the backward)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -788,6 +981,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         mode, options, overrides = parse_args(argv)
+        if mode == "comm":
+            nccl_log_to_files()  # before NCCL starts
         dist = distributed.setup()
         result = RUNNERS[mode](dist, options, overrides)
     except ConfigError as exc:

@@ -61,15 +61,19 @@ class CharCorpus:
         self._split(vocab, vocab.encode(text), val_fraction)
 
     @classmethod
-    def from_tokens(cls, tokens: torch.Tensor, vocab: Vocabulary, val_fraction: float) -> "CharCorpus":
-        """A corpus over ids encoded elsewhere (a memory-mapped token file): nothing copied."""
+    def from_tokens(cls, tokens: torch.Tensor, vocab: Vocabulary, val_fraction: float,
+                    train_tokens: Optional[int] = None) -> "CharCorpus":
+        """A corpus over ids encoded elsewhere (a memory-mapped token file): nothing copied.
+        `train_tokens` puts the split where the encoder put it (subword tokenizers split
+        where characters do, token_cache.py); `vocab` is then their tokenizer."""
         corpus = cls.__new__(cls)
-        corpus._split(vocab, tokens, val_fraction)
+        corpus._split(vocab, tokens, val_fraction, train_tokens)
         return corpus
 
-    def _split(self, vocab: Vocabulary, tokens: torch.Tensor, val_fraction: float) -> None:
+    def _split(self, vocab: Vocabulary, tokens: torch.Tensor, val_fraction: float,
+               train_tokens: Optional[int] = None) -> None:
         self.vocab, self.tokens = vocab, tokens
-        n_val = int(len(self.tokens) * val_fraction)
+        n_val = int(len(self.tokens) * val_fraction) if train_tokens is None else len(tokens) - train_tokens
         self.train_tokens = self.tokens[: len(self.tokens) - n_val]
         self.val_tokens = self.tokens[len(self.tokens) - n_val :]
 

@@ -19,10 +19,14 @@ from omegaconf import OmegaConf
 from mingpt_ddp import loggers
 from mingpt_ddp.errors import ConfigError
 
-# Collectives wait this long beyond the longest a rank may legitimately keep the others
-# waiting (rank 0 retrying a save or a store, see collective_timeout_minutes).
-COLLECTIVE_TIMEOUT_MARGIN_MINUTES = 5.0
-DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 20.0  # save_retry_minutes' default (15) plus the margin
+# The training process group's collectives (NCCL on GPUs) give up after this: a hung GPU or a
+# lost node holds the others for minutes, not for as long as rank 0 may retry a save.
+DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 5.0
+# While rank 0 does what only it does (a save retried for save_retry_minutes, a store retried at
+# start), the others wait in the rendezvous store, up to the longest retry plus this margin.
+RANK0_WAIT_MARGIN_MINUTES = 5.0
+# trainer.snapshot_every_minutes=null on GPUs: an hours-long epoch is not hours of work at risk.
+GPU_SNAPSHOT_EVERY_MINUTES = 30.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -35,6 +39,14 @@ class Precision(str, Enum):
     bf16 = "bf16"
     fp16 = "fp16"
     auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU the faster of fp32 and bf16, timed
+
+
+class TokenizerKind(str, Enum):
+    """How text becomes token ids (tokenizer.py)."""
+
+    char = "char"  # every distinct character is a token
+    bpe = "bpe"  # a byte-level BPE of data.vocab_size tokens trained on the training split
+    gpt2 = "gpt2"  # GPT-2's 50,257-token BPE (tiktoken)
 
 
 class Strategy(str, Enum):
@@ -59,14 +71,24 @@ class DataConfig:
     path: str = "data/tinyshakespeare.txt"
     block_size: int = 128
     val_fraction: float = 0.1
-    # Where to fetch the corpus when `path` does not exist; null never downloads.
-    download_url: Optional[str] = TINY_SHAKESPEARE_URL
+    # Where to fetch the corpus when `path` does not exist; null never downloads. A preset
+    # ties its URL to its own path (${mingpt_download_for:...}): another path downloads
+    # only with a download_url of its own.
+    download_url: Optional[str] = None
     # fsspec options for a remote `path` (endpoint, profile, ...); secrets only from the
     # environment: ${oc.env:VAR}, never written literally (see storage.py).
     storage_options: Dict[str, Any] = field(default_factory=dict)
     # Where each node keeps its token file (and its copy of remote files); null: $MINGPT_DDP_CACHE, else
     # $XDG_CACHE_HOME/mingpt_ddp/data, else ~/.cache/mingpt_ddp/data.
     cache_dir: Optional[str] = None
+    # char | bpe | gpt2 (tokenizer.py); a resume keeps the snapshot's.
+    tokenizer: TokenizerKind = TokenizerKind.char
+    # Tokens of the byte-level BPE (data.tokenizer=bpe), learned from the training split.
+    vocab_size: int = 4096
+    # At most this many characters of the training split train the BPE.
+    tokenizer_train_chars: int = 100_000_000
+    # The text column of .parquet files, the text field of .jsonl(.gz) files.
+    text_column: str = "text"
 
 
 @dataclass
@@ -97,8 +119,9 @@ class TrainerConfig:
     # Validation batches per rank in a periodic evaluation (the first ones of the split):
     # seconds even on a big corpus. null: the whole split every time.
     eval_batches: Optional[int] = 100
-    # The same for the evaluation at the end of a run (its val_loss is the run's result).
-    final_eval_batches: Optional[int] = None
+    # The same for the evaluation at the end of a run (its val_loss is the run's result):
+    # the whole split of a text up to a few MB, bounded on a big corpus; null: the whole split.
+    final_eval_batches: Optional[int] = 200
     log_every: int = 10
     # The ranks agree on stop signals at every log step and at least this often (seconds of
     # wall time, at a step derived from the measured pace): keep it well under the
@@ -106,11 +129,16 @@ class TrainerConfig:
     stop_check_seconds: float = 5.0
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
+    # Also snapshot every N minutes of wall time (rank 0's clock); null: every
+    # GPU_SNAPSHOT_EVERY_MINUTES on GPUs, never on CPUs; 0: never.
     snapshot_every_minutes: Optional[float] = None
     keep_last: int = 2
     snapshot_path: Optional[str] = None
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
+    # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),
+    # a fixed cuBLAS workspace, cuDNN and inductor without autotuning (determinism.py). Slower.
+    deterministic: bool = False
     # Also write the metrics as TensorBoard scalars (rank 0, <run dir>/tensorboard); needs
     # the `tensorboard` extra.
     tensorboard: bool = False
@@ -126,10 +154,10 @@ class TrainerConfig:
     save_retry_minutes: float = 15.0
     # At start, an unreachable store (snapshots, data) is retried this long, then an error.
     load_retry_minutes: float = 2.0
-    # How long a collective (and the rendezvous) waits for the other ranks before the job
-    # fails: at least the save/load retry time plus a margin, since the other ranks wait in
-    # a collective meanwhile; short enough that a rank that died under plain srun does not
-    # hold the job for long.
+    # How long a collective of the training process group (and the rendezvous) waits for the
+    # other ranks before the job fails: a hung GPU or an unreachable node. Waits for rank 0's
+    # own work (saves, stores at start) do not count: the others wait for it in the
+    # rendezvous store (see rank0_wait_minutes).
     collective_timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
 
 
@@ -184,6 +212,21 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
+    """The config main.py would run with these overrides (conf/ and the schema), checked:
+    for tools that are not a Hydra app (bench, prepare)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
+        cfg = hydra_compose("config", overrides=overrides)
+    validate(cfg)
+    return cfg
+
+
 def run_id() -> str:
     """A name for this run that every rank, and every restart of the job, agrees on.
 
@@ -212,14 +255,23 @@ def _hydra_output_subdir() -> Optional[str]:
     return ".hydra" if _is_main_process() else None
 
 
+def download_for(path: Any, own_path: Any, url: Any) -> Optional[str]:
+    """A data preset's download_url, ``${mingpt_download_for:${.path},<its path>,<its URL>}``:
+    the URL while data.path is the preset's own path, else null. So a mistyped data.path
+    is an error naming it, never a file filled with the preset's corpus and trained on."""
+    return str(url) if os.path.normpath(str(path)) == os.path.normpath(str(own_path)) else None
+
+
 def register() -> None:
-    """Register the schema and the resolvers that conf/config.yaml uses."""
+    """Register the schema and the resolvers that conf/ uses."""
     cs = ConfigStore.instance()
     cs.store(name="base_config", node=Config)
     for name, resolver in (("run_id", run_id), ("hydra_output_subdir", _hydra_output_subdir)):
         if not OmegaConf.has_resolver(name):
             # Cached: a run id must not change between two reads in one process.
             OmegaConf.register_new_resolver(name, resolver, use_cache=True)
+    if not OmegaConf.has_resolver("mingpt_download_for"):
+        OmegaConf.register_new_resolver("mingpt_download_for", download_for)
 
 
 def _positive(value: Any, name: str, fix: str) -> None:
@@ -240,6 +292,12 @@ def validate(cfg: Any) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"model.dropout={m.dropout} must be in [0, 1)")
     _positive(d.block_size, "data.block_size", "set data.block_size=<context length, e.g. 128>")
+    if d.tokenizer == TokenizerKind.bpe and not 257 <= d.vocab_size <= 1 << 24:
+        raise ConfigError(f"data.vocab_size={d.vocab_size} must be between 257 (the 256 bytes and <|endoftext|>) and "
+                          f"{1 << 24:,} for data.tokenizer=bpe, e.g. data.vocab_size=4096")
+    _positive(d.tokenizer_train_chars, "data.tokenizer_train_chars", "e.g. data.tokenizer_train_chars=100000000")
+    if not d.text_column:
+        raise ConfigError("data.text_column must name the text column of the .parquet / field of the .jsonl files")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.1)")
     _positive(o.lr, "optimizer.lr", "set optimizer.lr, e.g. optimizer.lr=6e-4")
@@ -266,8 +324,9 @@ def validate(cfg: Any) -> None:
     _positive(t.stop_check_seconds, "trainer.stop_check_seconds", "set it to a few seconds, e.g. 5")
     if t.snapshot_every_steps is not None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
-    if t.snapshot_every_minutes is not None:
-        _positive(t.snapshot_every_minutes, "trainer.snapshot_every_minutes", "or set it to null")
+    if t.snapshot_every_minutes is not None and t.snapshot_every_minutes < 0:
+        raise ConfigError(f"trainer.snapshot_every_minutes={t.snapshot_every_minutes} must be >= 0 (0: never; "
+                          f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, never on CPUs)")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
     loggers.check(cfg)
     if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
@@ -299,14 +358,23 @@ def flat_resolved(cfg: Any) -> dict[str, Any]:
 
 
 def collective_timeout_minutes(t: Any) -> float:
-    """trainer.collective_timeout_minutes, checked against what the other ranks may wait for
-    inside a collective: rank 0 retrying a save (at the end of a run) or a store at start."""
-    needed = max(t.save_retry_minutes, t.load_retry_minutes) + COLLECTIVE_TIMEOUT_MARGIN_MINUTES
-    if not t.collective_timeout_minutes >= needed:
-        raise ConfigError(
-            f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} is too short: the other ranks "
-            f"wait in a collective while rank 0 retries saving (trainer.save_retry_minutes={t.save_retry_minutes}) "
-            f"or loading (trainer.load_retry_minutes={t.load_retry_minutes}); set "
-            f"trainer.collective_timeout_minutes={needed:g} or more, or lower those"
-        )
+    """trainer.collective_timeout_minutes, checked."""
+    if not t.collective_timeout_minutes > 0:
+        raise ConfigError(f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} must be positive: "
+                          f"how long a collective waits for the other ranks, e.g. {DEFAULT_COLLECTIVE_TIMEOUT_MINUTES:g}")
     return float(t.collective_timeout_minutes)
+
+
+def rank0_wait_minutes(t: Any) -> float:
+    """How long the other ranks wait for rank 0's own work: a save it retries for
+    trainer.save_retry_minutes, a store it retries at start for load_retry_minutes, plus a
+    margin for the attempt in progress."""
+    return float(max(t.save_retry_minutes, t.load_retry_minutes) + RANK0_WAIT_MARGIN_MINUTES)
+
+
+def snapshot_every_minutes(t: Any, device_type: str) -> Optional[float]:
+    """trainer.snapshot_every_minutes as it applies on `device_type`: None for never."""
+    minutes = t.snapshot_every_minutes
+    if minutes is None:
+        return GPU_SNAPSHOT_EVERY_MINUTES if device_type == "cuda" else None
+    return float(minutes) if minutes > 0 else None

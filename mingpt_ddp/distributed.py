@@ -8,8 +8,10 @@ from __future__ import annotations
 import atexit
 import datetime
 import hashlib
+import itertools
 import logging
 import os
+import pickle
 import re
 import threading
 import time
@@ -19,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional, TypeVar
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp.config import DEFAULT_COLLECTIVE_TIMEOUT_MINUTES
+from mingpt_ddp.config import DEFAULT_COLLECTIVE_TIMEOUT_MINUTES, RANK0_WAIT_MARGIN_MINUTES
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,23 @@ def read_topology() -> tuple[int, int, int, int]:
     return 0, 0, 1, 1
 
 
+def node_id() -> str:
+    """Which node (in the sense of LOCAL_RANK: the processes one launcher started) this
+    process belongs to: torchrun's agent (GROUP_RANK), Slurm's node (SLURM_NODEID), else
+    the host and its boot. Host names alone are shared by containers with host networking
+    and are generic in many images."""
+    if os.environ.get("GROUP_RANK", "") != "" and "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun-agent-{os.environ['GROUP_RANK']}"
+    if os.environ.get("SLURM_NODEID", "") != "" and "SLURM_PROCID" in os.environ:
+        return f"slurm-node-{os.environ['SLURM_NODEID']}"
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{os.uname().nodename}/{boot}"
+
+
 def pick_device(local_rank: int) -> tuple[torch.device, str]:
     """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with gloo.
 
@@ -166,7 +185,10 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
 
 
 _current: Optional[DistEnv] = None
-_store: Optional[torch_dist.Store] = None  # the rendezvous store, kept to compare error reports
+_store: Optional[torch_dist.Store] = None  # the rendezvous store: error reports, waits for rank 0
+_rank0_wait_minutes = 15.0 + RANK0_WAIT_MARGIN_MINUTES  # set by setup()
+_rounds = itertools.count()  # the store waits of this process, numbered alike on every rank
+_runners: Optional[list[int]] = None  # the ranks that are their node's local rank 0
 
 
 def process_group_options(device: torch.device) -> dict[str, Any]:
@@ -176,14 +198,18 @@ def process_group_options(device: torch.device) -> dict[str, Any]:
     return {"device_id": device} if device.type == "cuda" else {}
 
 
-def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES) -> DistEnv:
+def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
+          rank0_wait_minutes: Optional[float] = None) -> DistEnv:
     """Pick the device, size the CPU thread pool and join the process group, whose
-    collectives (and the rendezvous) give up after `timeout_minutes`.
+    collectives (and the rendezvous) give up after `timeout_minutes`. Waits for work only
+    rank 0 does (wait_for_main) give up after `rank0_wait_minutes`.
 
     Once per process: the sweep points of a multirun reuse the same process group, which
     is torn down when the process exits.
     """
-    global _current, _store
+    global _current, _store, _rank0_wait_minutes
+    if rank0_wait_minutes is not None:
+        _rank0_wait_minutes = rank0_wait_minutes
     if _current is not None:
         return _current
     rank, local_rank, world_size, local_world_size = read_topology()
@@ -251,6 +277,26 @@ def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_
     return not answer or answer[0] == 1
 
 
+# A rank's exit code when a collective failed because another rank or the network went away:
+# not a bug (no traceback) and not bad input (2): a restart (torchrun, a Slurm requeue) resumes.
+LOST_PEERS_EXIT_CODE = 3
+
+
+def communication_failure(exc: BaseException) -> Optional[str]:
+    """One line for a collective or the job's store failing because another rank or the
+    network went away (a node died, a link went down, a peer timed out); None for anything
+    else. c10d raises DistError (NCCL, the store); gloo raises a RuntimeError from its TCP
+    transport ("Connection closed by peer", "Timed out waiting ... for recv")."""
+    text = str(exc).strip()
+    if not (isinstance(exc, torch_dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # "[file.cc:553] "
+    first = first.split(". ")[0].rstrip(".")
+    return (f"lost contact with the other ranks: {first}. A node left the job or the network between the nodes "
+            "failed; restarted (torchrun --max-restarts, a Slurm requeue, or by hand) the job resumes from its "
+            "newest snapshot")
+
+
 def release_cached_memory() -> None:
     """Give cached accelerator memory back between the points of a sweep."""
     if torch.cuda.is_available():
@@ -279,6 +325,12 @@ def shutdown(clean: bool) -> None:
     gc.collect()
     if not torch_dist.is_initialized():
         return
+    if clean and _waits_in_store():  # rank 0 may still be finishing (a preview, trackers uploading): not in NCCL's timeout
+        try:
+            _store_barrier()
+        except Exception as exc:  # the store's host has gone: nobody left to wait for
+            log.warning("leaving without waiting for the other ranks: %s", exc)
+            clean = False
     if clean:
         torch_dist.barrier()
     torch_dist.destroy_process_group()
@@ -307,25 +359,152 @@ def all_gather_object(obj: Any) -> list:
     return out
 
 
+# ---- waiting for work only some ranks do: in the rendezvous store, not in a collective ------
+def _waits_in_store() -> bool:
+    return _store is not None and _current is not None and _current.is_distributed
+
+
+def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, Any], Optional[BaseException]]:
+    """(("ok", result) | ("config", message) | ("bug", text), the exception to re-raise here)."""
+    try:
+        return ("ok", fn()), None
+    except ConfigError as exc:
+        return ("config", str(exc)), exc
+    except BaseException as exc:  # noqa: BLE001: re-raised by the caller, told to the others first
+        return ("bug", f"{type(exc).__name__}: {exc}"), exc
+
+
+def _post(key: str, outcome: tuple[str, Any], readers: int) -> None:
+    """Publish `outcome` under `key`; after a failure, give the `readers` a few seconds to read
+    it before this rank goes on to exit (under plain srun rank 0 hosts the store)."""
+    _store.set(key, pickle.dumps(outcome))
+    if outcome[0] == "ok" or readers == 0:
+        return
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and _store.add(key + "/read", 0) < readers:
+        time.sleep(0.05)
+
+
+def _await(keys: list[str], what: str) -> list[tuple[str, Any]]:
+    """The outcomes under `keys`, waiting up to the rank-0 wait. Polled (check, then a short
+    sleep, doubling up to 0.5 s) rather than a blocking store wait, so signal handlers run."""
+    deadline = time.monotonic() + 60 * _rank0_wait_minutes
+    delay = 0.002
+    try:
+        while not _store.check(keys):
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"waited {_rank0_wait_minutes:g} minutes for {what} (trainer.save_retry_minutes or "
+                    "load_retry_minutes plus 5): its storage or its process hangs; check that node, then run "
+                    "the same command to resume from the newest snapshot")
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+        outcomes = [pickle.loads(_store.get(key)) for key in keys]
+        for key in keys:
+            _store.add(key + "/read", 1)
+    except ConfigError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"lost the job's rendezvous store while waiting for {what} ({type(exc).__name__}): "
+                          "the node that hosts it has gone; run the same command to resume") from None
+    return outcomes
+
+
+def _raise_outcome(outcome: tuple[str, Any], who: str) -> Any:
+    kind, value = outcome
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "bug":
+        raise RuntimeError(f"{who} failed: {value}")
+    return value
+
+
+def _share_by_collective(fn: Callable[[], T], runs_here: bool) -> T:
+    """The runners' outcomes by a collective: for a process group made without setup()'s
+    store (alone, it is just `fn`)."""
+    outcome, exc = _outcome(fn) if runs_here else (("ok", None), None)
+    if not torch_dist.is_initialized():
+        if exc is not None:
+            raise exc
+        return outcome[1]
+    outcomes = all_gather_object(outcome)
+    for kind in ("config", "bug"):
+        for rank, theirs in enumerate(outcomes):
+            if theirs[0] == kind:
+                if exc is not None:
+                    raise exc
+                _raise_outcome(theirs, f"rank {rank}")
+    return outcomes[0][1]
+
+
+def wait_for_main(work: Callable[[], T], what: str) -> T:
+    """`work` on rank 0 only; every rank gets its result (or raises its error).
+
+    The other ranks wait in the rendezvous store, not in a collective of the training
+    process group: rank 0's work may take as long as a save retried for
+    trainer.save_retry_minutes, while the training group's (NCCL's) timeout,
+    trainer.collective_timeout_minutes, stays minutes, so that a hung GPU or a lost node
+    ends the job soon. `what` says what rank 0 is doing, for the message if it never ends.
+    """
+    if not _waits_in_store():
+        return _share_by_collective(work, not torch_dist.is_initialized() or torch_dist.get_rank() == 0)
+    key = f"mingpt_ddp/rank0/{next(_rounds)}"
+    if _current.is_main:
+        outcome, exc = _outcome(work)
+        _post(key, outcome, readers=_current.world_size - 1)
+        if exc is not None:
+            raise exc
+        return outcome[1]
+    return _raise_outcome(_await([key], f"rank 0 {what}")[0], "rank 0")
+
+
+def _runner_ranks() -> list[int]:
+    """The ranks that are local rank 0 of their node (one collective, the first time)."""
+    global _runners
+    if _runners is None:
+        _runners = [r for r, first in enumerate(all_gather_object(_current.local_rank == 0)) if first]
+    return _runners
+
+
 def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: bool = False) -> T:
     """Run `fn` on rank 0 (or on each node's local rank 0) and share the outcome.
 
-    For work only one process may do (write to the filesystem, download): every rank
-    gets rank 0's result, or raises the same ConfigError if any runner failed, so nobody
-    waits forever on a rank that gave up.
+    For work only one process may do (write to the filesystem, download, encode a corpus):
+    every rank gets rank 0's result, or raises the same ConfigError if any runner failed,
+    so nobody waits forever on a rank that gave up. The others wait in the rendezvous store
+    (as in wait_for_main), so slow work does not run into the training group's timeout.
     """
-    runs_here = dist.local_rank == 0 if once_per_node else dist.is_main
-    result, error = None, None
-    if runs_here:
-        try:
-            result = fn()
-        except ConfigError as exc:
-            error = str(exc)
-    outcomes = all_gather_object((result, error))
-    errors = [e for _, e in outcomes if e is not None]
-    if errors:
-        raise ConfigError(errors[0])
-    return outcomes[0][0]
+    if not once_per_node:
+        return wait_for_main(fn, "preparing the run")
+    if not _waits_in_store():
+        return _share_by_collective(fn, dist.local_rank == 0)
+    runners = _runner_ranks()
+    base = f"mingpt_ddp/node0/{next(_rounds)}"
+    mine: Optional[BaseException] = None
+    if dist.local_rank == 0:
+        outcome, mine = _outcome(fn)
+        _post(f"{base}/{dist.rank}", outcome, readers=0)
+    outcomes = _await([f"{base}/{r}" for r in runners], "each node's first process preparing its data")
+    for kind in ("config", "bug"):
+        for runner, outcome in zip(runners, outcomes):
+            if outcome[0] == kind:
+                if runner == dist.rank and mine is not None:
+                    raise mine
+                _raise_outcome(outcome, f"rank {runner}")
+    return outcomes[0][1]
+
+
+def _store_barrier() -> None:
+    """Every rank has got here, waited for in the store (up to the rank-0 wait)."""
+    key = f"mingpt_ddp/barrier/{next(_rounds)}"
+    _store.add(key, 1)
+    deadline = time.monotonic() + 60 * _rank0_wait_minutes
+    delay = 0.002
+    while _store.add(key, 0) < _current.world_size:
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"waited {_rank0_wait_minutes:g} minutes for the other ranks to finish")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.5)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,11 @@ file starts with a header line and holds the optimizer and RNG states too, so pl
 ``torch.load`` cannot read it. The export directory holds only the model:
 
     weights.pt     the model's state_dict: tensors only, read with torch.load(weights_only=True)
-    config.json    the model's shape (model_config), the vocabulary (character i has id i),
-                   and where the weights came from (step, validation loss, source)
+    config.json    the model's shape (model_config), the tokenizer (its kind and file; for
+                   characters the vocabulary itself: character i has id i), and where the
+                   weights came from (step, validation loss, source)
+    tokenizer.json a BPE's tokenizer (Hugging Face's format), or gpt2.tiktoken GPT-2's BPE
+                   ranks (tiktoken's format); none for characters
     model.py       the model definition: a copy of mingpt_ddp/model.py, which needs only torch
 
 Plain PyTorch loads it with `model.py` on the path (see README "Export"). weights.pt rather
@@ -27,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from mingpt_ddp import model as model_module
-from mingpt_ddp import storage
+from mingpt_ddp import storage, tokenizer
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.sample import load_latest
 
@@ -49,15 +52,18 @@ def export(source: str, out_dir: str, safetensors: bool = False) -> dict[str, An
             raise ConfigError("--safetensors needs safetensors: pip install safetensors") from None
     model = model_module.GPT(model_module.GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])  # a state_dict that does not fit fails here, not at the user's
+    tok = tokenizer.from_snapshot(snapshot)
     state = snapshot["train_state"]
+    os.makedirs(out_dir, exist_ok=True)
     meta = {
         "format": FORMAT,
         "model_config": snapshot["model_config"],
-        "vocab": list(snapshot["vocab"]),
+        "tokenizer": {"kind": tok.kind, "file": tok.save(out_dir), "vocab_size": tok.size,
+                      **({"eot_id": tok.eot_id} if tok.kind != "char" else {})},
+        **({"vocab": list(tok.vocab.chars)} if tok.kind == "char" else {}),
         "trained": {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
                     "val_loss": state.get("last_val_loss"), "source": storage.redact(where)},
     }
-    os.makedirs(out_dir, exist_ok=True)
     torch.save(model.state_dict(), os.path.join(out_dir, "weights.pt"))
     if safetensors:
         save_model(model, os.path.join(out_dir, "model.safetensors"))  # the tied head is stored once

@@ -20,6 +20,7 @@ import os
 import time
 import uuid
 from typing import Any, Callable, Optional, Sequence
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
@@ -106,6 +107,23 @@ class TensorBoardSink(Sink):
         self.writer.close()
 
 
+def _credentials_to_environment(uri: Optional[str]) -> Optional[str]:
+    """An HTTP tracking URI without its user-info, which goes to MLFLOW_TRACKING_USERNAME /
+    MLFLOW_TRACKING_PASSWORD, where MLflow's client takes basic-auth credentials from:
+    MLflow prints and stores the URI it is given (the "View run at" line on stdout)."""
+    if not uri:
+        return uri
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or "@" not in parts.netloc:
+        return uri
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    storage.remember_secrets([unquote(user) if not password else "", unquote(password)])
+    return urlunsplit(parts._replace(netloc=host))
+
+
 class MLflowSink(Sink):
     """A run in an MLflow tracking store, through MlflowClient (no global active run, so
     the points of a sweep in one process are separate runs)."""
@@ -114,7 +132,7 @@ class MLflowSink(Sink):
     _STATUS = {"finished": "FINISHED", "stopped": "KILLED", "failed": "FAILED"}
 
     def __init__(self, cfg: Any, config: dict[str, Any], run_dir: str, previous: Optional[dict[str, Any]]):
-        self.tracking_uri = cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        self.tracking_uri = _credentials_to_environment(cfg.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
         if not self.tracking_uri:
             self.tracking_uri = "file:" + os.path.join(_store_dir(run_dir), "mlruns")
         if self.tracking_uri.startswith(("file:", "/")):
@@ -146,7 +164,8 @@ class MLflowSink(Sink):
             self.client.update_run(run.info.run_id, status="RUNNING")
             logged = run.data.params
         self.run_id = run.info.run_id
-        self.resume_ref = {"run_id": self.run_id, "tracking_uri": self.tracking_uri}
+        # Kept in loggers.json and every snapshot: as shown, never with credentials.
+        self.resume_ref = {"run_id": self.run_id, "tracking_uri": storage.redact(self.tracking_uri)}
         # Parameters cannot change in MLflow: a resume with other settings records them as tags.
         new = [Param(k, v[:6000]) for k, v in params.items() if k not in logged]
         changed = [RunTag(f"resumed_with.{k}", v[:5000]) for k, v in params.items() if k in logged and logged[k] != v[:6000]]
@@ -160,7 +179,8 @@ class MLflowSink(Sink):
         try:
             return self.client.get_run(previous["run_id"])
         except Exception:
-            log.warning("MLflow run %s is not in %s: starting a new MLflow run", previous["run_id"], self.tracking_uri)
+            log.warning("MLflow run %s is not in %s: starting a new MLflow run", previous["run_id"],
+                        storage.redact(self.tracking_uri))
             return None
 
     def write(self, step: int, values: dict[str, float]) -> None:

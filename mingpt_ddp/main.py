@@ -43,13 +43,14 @@ if __name__ == "__main__":
     record_stop_signals()
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp import (cluster, config, distributed, loggers, parallel, preemption, profiling, sample, storage,
-                        time_budget, token_cache)
+                        time_budget, token_cache, tokenizer)
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
@@ -67,29 +68,55 @@ config.register()
 cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float,
-                vocab: Optional[Vocabulary] = None) -> tuple[CharCorpus, token_cache.TokenFile]:
+def tokenization(cfg: config.DataConfig, state: Optional[dict[str, Any]] = None) -> token_cache.Tokenization:
+    """data.tokenizer and the keys that decide its ids; `state`: a snapshot's BPE or GPT-2 tokenizer."""
+    return token_cache.Tokenization(kind=getattr(cfg.tokenizer, "value", cfg.tokenizer), vocab_size=cfg.vocab_size,
+                                    train_chars=cfg.tokenizer_train_chars, text_column=cfg.text_column,
+                                    val_fraction=cfg.val_fraction, state=state)
+
+
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
+                tokenizer_state: Optional[dict[str, Any]] = None
+                ) -> tuple[CharCorpus, token_cache.TokenFile, tokenizer.Tokenizer]:
     """Encode the corpus once per node into a token file in data.cache_dir (streaming;
     remote files fetched and a missing local file downloaded first; reused while the
-    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's) gives
-    the ids instead of the text's own characters. Returns the corpus and its token file."""
+    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's
+    characters) or `tokenizer_state` (a snapshot's BPE or GPT-2 tokenizer) gives the ids
+    instead of data.tokenizer's own. Returns the corpus, its token file and its tokenizer."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
-    storage.remember_secrets(storage.secret_option_values(options))
     made: list[token_cache.TokenFile] = []
     distributed.on_main_then_share(
         lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
-                                                vocab.chars if vocab is not None else None)),
+                                                vocab.chars if vocab is not None else None,
+                                                tokenization(cfg, tokenizer_state))),
         dist, once_per_node=True,
     )
     token_file = token_cache.this_nodes_token_file(made[0] if made else None, dist)
 
-    def open_here() -> CharCorpus:  # each rank maps its node's file: it may fail on some ranks only
+    def open_here() -> tuple[CharCorpus, tokenizer.Tokenizer]:  # each rank maps its node's file: it may fail on some ranks only
         tokens = token_cache.open_tokens(token_file, cfg.cache_dir)
-        corpus = CharCorpus.from_tokens(tokens, Vocabulary(token_file.chars), cfg.val_fraction)
+        tok = token_cache.load_tokenizer(token_file, cfg.cache_dir)
+        ids_of = tok.vocab if isinstance(tok, tokenizer.CharTokenizer) else tok
+        corpus = CharCorpus.from_tokens(tokens, ids_of, cfg.val_fraction, token_file.train_tokens)
         corpus.check_block_size(cfg.block_size)
-        return corpus
+        return corpus, tok
 
-    return on_every_rank(open_here, dist), token_file
+    corpus, tok = on_every_rank(open_here, dist)
+    return corpus, token_file, tok
+
+
+def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataConfig) -> None:
+    """A resume keeps the snapshot's tokenizer: another data.tokenizer or data.vocab_size
+    would give the weights ids that mean other text."""
+    saved = (snapshot.get("tokenizer") or {}).get("kind", "char")
+    saved_size = snapshot.get("config", {}).get("data", {}).get("vocab_size")
+    kind = getattr(cfg.tokenizer, "value", cfg.tokenizer)
+    changed = saved != kind or (kind == "bpe" and saved_size is not None and saved_size != cfg.vocab_size)
+    if changed:
+        was = f"data.tokenizer={saved}" + (f" data.vocab_size={saved_size}" if saved == "bpe" else "")
+        now = f"data.tokenizer={kind}" + (f" data.vocab_size={cfg.vocab_size}" if kind == "bpe" else "")
+        raise ConfigError(f"snapshot {where} was trained with {was} but the config says {now}: set {was} to resume "
+                          "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
 
 
 def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
@@ -152,7 +179,7 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
                 f"{getattr(model_cfg, key)}: set {prefix}.{key}={saved[key]} to resume it, or use a new "
                 "hydra.run.dir / trainer.snapshot_path to start a different model"
             )
-    missing = sorted(set(text_vocab.chars) - set(snapshot["vocab"]))
+    missing = sorted(set(text_vocab.chars) - set(snapshot["vocab"])) if isinstance(text_vocab, Vocabulary) else []
     if missing:
         raise ConfigError(
             f"snapshot {where} has a vocabulary of {len(snapshot['vocab'])} characters that lacks "
@@ -165,7 +192,6 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
-    storage.remember_secrets(storage.secret_option_values(snapshot_options))
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
     store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
@@ -174,7 +200,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
         snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
                                          retry_minutes=cfg.trainer.load_retry_minutes,
                                          save_retry_minutes=cfg.trainer.save_retry_minutes,
-                                         collective_timeout_minutes=cfg.trainer.collective_timeout_minutes)
+                                         collective_timeout_minutes=config.rank0_wait_minutes(cfg.trainer))
     else:
         snapshots = store
     distributed.on_main_then_share(snapshots.check_writable, dist)
@@ -183,7 +209,9 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     try:
         from_ddp = distributed.on_main_then_share(
             lambda: fsdp_continues_ddp_snapshots(cfg, store, snapshot_options), dist)
-        return _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None)
+        outcome = _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None, lock)
+        distributed.on_main_then_share(lock.raise_if_lost, dist)  # lost after the last stop agreement
+        return outcome
     finally:
         lock.release()
 
@@ -206,15 +234,23 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
 
 
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
-                     ddp_files: Optional[SnapshotStore] = None) -> tuple[str, Optional[float], str]:
-    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from."""
+                     ddp_files: Optional[SnapshotStore] = None,
+                     lock: Optional[RunLock] = None) -> tuple[str, Optional[float], str]:
+    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from;
+    `lock`: the run lock rank 0 holds (losing it stops the run)."""
     found = load_agreed_snapshot(ddp_files or store, dist)
+    saved_tokenizer = None
+    if found is not None:
+        check_same_tokenizer(found[0], found[1], cfg.data)
+        if (found[0].get("tokenizer") or {}).get("kind", "char") != "char":
+            saved_tokenizer = found[0]["tokenizer"]  # encode with exactly the run's BPE / GPT-2 tokenizer
 
-    corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, tokenizer_state=saved_tokenizer)
     vocab = corpus.vocab
     if found is not None:
         snapshot, where = found
-        vocab = Vocabulary(snapshot["vocab"])
+        if saved_tokenizer is None:
+            vocab = Vocabulary(snapshot["vocab"])
     model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
@@ -233,14 +269,15 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
                          state.epoch, state.step, where, further)
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
+            corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = GPT(model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
 
     metadata = {
-        "vocab": vocab.chars,
+        "vocab": vocab.chars if isinstance(vocab, Vocabulary) else "",  # characters (as before tokenizers)
+        "tokenizer": tok.to_dict(),  # what sample, export and a resume decode and encode with
         "model_config": dict(vars(model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
@@ -257,7 +294,8 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             saver = parallel.ShardedSaver(store)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
-        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata,
+        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
+                          token_bytes=torch.from_numpy(tok.byte_lengths()),
                           resumed_precision=snapshot.get("precision") if found is not None else None)
         if found is not None:
             if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
@@ -275,7 +313,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
-            preview = sample.preview(model, vocab, run_dir)  # the same text on every rank: same seed
+            preview = sample.preview(model, tok, run_dir)  # the same text on every rank: same seed
             if dist.is_main:
                 metrics.note(preview)
     finally:
@@ -388,11 +426,10 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     started = time.time()
     try:
-        storage.redact_logs()
-        # Before anything else: Hydra has just written .hydra/ from the raw config.
-        storage.refuse_literal_secrets(cfg, _hydra_files_dirs())
-        storage.scrub_url_secrets(_hydra_files_dirs())  # a presigned data URL is read, never stored
-        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer))
+        # Before anything else (Hydra has just written .hydra/ from the raw config): the one
+        # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
+        storage.resolve_secrets(cfg, _hydra_files_dirs())
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         _check_ranks_resolved_the_same(cfg)
@@ -404,6 +441,12 @@ def main(cfg: DictConfig) -> Optional[float]:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
         run_dir = HydraConfig.get().runtime.output_dir
+    except Exception as exc:
+        lost = distributed.communication_failure(exc)
+        if lost is None:
+            raise  # a bug: its traceback reaches torchrun's failure summary (@record)
+        _report_error(lost)  # a peer or the network is gone: one line, no traceback
+        sys.exit(distributed.LOST_PEERS_EXIT_CODE)
     finally:
         gc.collect()  # a sweep's next point starts without this one's model and optimizer
         distributed.release_cached_memory()

@@ -44,12 +44,14 @@ class MetricsLog:
         if "train_loss" in record:
             self._show_progress(record)
         if record.get("val_loss") is not None:
-            self.note(f"step {record['step']} epoch {record['epoch']}: val_loss {record['val_loss']:.4f}")
+            bpb = f" | val_bpb {record['val_bpb']:.4f}" if record.get("val_bpb") is not None else ""
+            self.note(f"step {record['step']} epoch {record['epoch']}: val_loss {record['val_loss']:.4f}{bpb}")
 
     def _show_progress(self, r: dict[str, Any]) -> None:
         text = (
             f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
+            + (f", {r['wall_tokens_per_s']:,.0f} wall tok/s" if r.get("wall_tokens_per_s") is not None else "")
             + (" (includes compiling)" if r.get("includes_compile") else "")
             + (f" | MFU {100 * r['mfu']:.1f}% of measured peak" if r.get("mfu") is not None else "")
             + (f", {100 * r['mfu_datasheet']:.1f}% of datasheet peak" if r.get("mfu_datasheet") is not None else "")
@@ -177,6 +179,8 @@ def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float
     if key not in _PEAK_CACHE:
         sizes = affordable_peak_sizes(device, dtype)
         _PEAK_CACHE[key] = max(matmul_flops(device, dtype, n, seconds / len(sizes)) for n in sizes)
+        if device.type == "cuda":  # the probe's matrices (~0.8 GB at 8192) would stay cached on this GPU only
+            torch.cuda.empty_cache()
     return _PEAK_CACHE[key]
 
 
@@ -221,3 +225,22 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_process: Opt
         return float("nan")
     peak = peak_flops_per_process * world_size
     return flops_per_token * tokens_per_s / peak if peak > 0 and math.isfinite(peak) else float("nan")
+
+
+def window_loss_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
+    """[summed loss (nats), targets, summed loss of the targets that stand for text, their
+    UTF-8 bytes] of a batch of windows, in float64: what an evaluation adds up over its
+    windows and ranks. Special tokens (BPE's <|endoftext|>) stand for no text: they count
+    in val_loss, not in bits per byte (as nanochat counts them)."""
+    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                               reduction="none").double()
+    nbytes = byte_lengths[targets.reshape(-1)].double()
+    text = nbytes > 0
+    return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), dtype=torch.float64, device=losses.device),
+                        losses[text].sum(), nbytes.sum()])
+
+
+def bits_per_byte(text_nats: float, text_bytes: float) -> float:
+    """Loss in bits per UTF-8 byte of the text: independent of how the text was cut into
+    tokens, so runs with different tokenizers compare (val_loss is per token)."""
+    return text_nats / (math.log(2) * text_bytes) if text_bytes > 0 else float("nan")

@@ -261,6 +261,7 @@ class ShardedSaver:
         self.store = store
         self._handle = None
         self._error: Optional[str] = None
+        self.last_saved: Optional[str] = None  # the newest committed snapshot directory
 
     def submit(self, state: dict[str, Any], step: int) -> None:
         self._finish_previous()
@@ -269,7 +270,10 @@ class ShardedSaver:
 
     def _finish_previous(self) -> None:
         if self._handle is not None:
-            self._error = self._handle.wait() or self._error
+            error = self._handle.wait()
+            if self._handle.committed:
+                self.last_saved = self._handle.directory
+            self._error = error or self._error
             self._handle = None
 
     @property

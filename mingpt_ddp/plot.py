@@ -3,7 +3,8 @@
     python -m mingpt_ddp.plot <run dir | sweep dir> [out.png]
 
 Reads each run's metrics.jsonl; writes one PNG with train and validation loss against
-step (top) and tokens/s (bottom). Needs matplotlib: ``pip install -e '.[plot]'``.
+step (top), the validation loss in bits per byte (middle: the one that compares runs
+with different tokenizers) and tokens/s (bottom). Needs matplotlib: ``pip install -e '.[plot]'``.
 """
 from __future__ import annotations
 
@@ -38,20 +39,29 @@ def plot_runs(target: Path, out: Optional[Path] = None) -> Path:
     if not runs:
         raise FileNotFoundError(f"no metrics.jsonl in {target} or its sweep points")
     out = out or target / "losses.png"
-    fig, (ax_loss, ax_speed) = plt.subplots(2, 1, figsize=(10, 8), sharex=True,
-                                            gridspec_kw={"height_ratios": [3, 1]})
+    metrics = {run: read_metrics(run) for run in runs}
+    with_bpb = any(r.get("val_bpb") is not None for records in metrics.values() for r in records)
+    fig, axes = plt.subplots(3 if with_bpb else 2, 1, figsize=(10, 10 if with_bpb else 8), sharex=True,
+                             gridspec_kw={"height_ratios": [3, 2, 1] if with_bpb else [3, 1]})
+    ax_loss, ax_speed = axes[0], axes[-1]
     labels = distinguishing_overrides(runs)
     for i, run in enumerate(runs):
-        records = read_metrics(run)
+        records = metrics[run]
         label = f"{run.name}: {labels[run]}" if len(runs) > 1 else (labels[run] or run.name)
         color = f"C{i % 10}"
         steps, train = _last_per_step(records, "train_loss")
         ax_loss.plot(steps, train, color=color, alpha=0.5, linewidth=1)
         steps, val = _last_per_step(records, "val_loss")
         ax_loss.plot(steps, val, color=color, marker="o", linewidth=2, label=label)
+        if with_bpb:
+            steps, bpb = _last_per_step(records, "val_bpb")
+            axes[1].plot(steps, bpb, color=color, marker="o", linewidth=2)
         steps, speed = _last_per_step(records, "tokens_per_s")
         ax_speed.plot(steps, speed, color=color, linewidth=1)
-    ax_loss.set_ylabel("loss (nats/char)")
+    ax_loss.set_ylabel("loss (nats/token)")
+    if with_bpb:
+        axes[1].set_ylabel("validation bits/byte")
+        axes[1].grid(alpha=0.3)
     ax_loss.set_title(f"{target.name}\ntrain loss (thin lines), validation loss (dots)", fontsize=10)
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize=8, loc="upper right")

@@ -4,7 +4,10 @@ Slurm sends SIGUSR1 (``--signal=USR1@<seconds>``) or SIGTERM before a time limit
 preemption; torchrun forwards SIGTERM to its workers when it is told to stop; Ctrl-C in a
 terminal sends SIGINT to every process of the job. The handler only records the request;
 the trainer acts on it at a step boundary, after all ranks agreed on the step (a signal
-reaches ranks at different moments), and saves a snapshot. A second Ctrl-C aborts at once.
+reaches ranks at different moments), and saves a snapshot. A second Ctrl-C aborts at once;
+so does a second stop signal of any kind while the last snapshot is still being saved (a
+failing store is retried for trainer.save_retry_minutes, longer than a scheduler's grace
+period), naming the newest snapshot that was saved.
 
 Outside training (start-up, the end of a run, between the points of a sweep) SIGUSR1, the
 scheduler's warning with time to spare, is recorded too (`record_stop_signals`): one that
@@ -56,19 +59,85 @@ def _abort_now() -> None:
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
+def _say(line: str) -> None:
+    """One line on stderr from rank 0 (os.write: safe inside a signal handler)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())
+
+
+def _exit_while_saving(signum: int, newest_saved: Optional[str]) -> None:
+    name = signal.Signals(signum).name
+    where = (f"the newest snapshot saved is {newest_saved}; run the same command to resume from it" if newest_saved
+             else "this run saved no snapshot; run the same command to resume from the newest one there, if any")
+    _say(f"stopped by a second {name} without waiting for the last snapshot, which was still being saved: {where}")
+    # Under torchrun 0, as after Ctrl-C: a failed worker would be restarted (or reported) by its agent.
+    os._exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else 128 + signum)
+
+
+def shield_compile_workers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> bool:
+    """Start torch.compile's worker processes now, with the stop signals blocked, so that they
+    never receive them.
+
+    Inductor compiles Triton kernels (GPU builds) in a sidecar process and its pool of
+    workers: processes of this job too, so Slurm's SIGUSR1 and SIGTERM (sent to every process
+    of a step) and a terminal's Ctrl-C reach them, and by default kill them, failing a compile
+    in progress with a traceback on every rank. A blocked signal stays blocked in children
+    (fork and exec alike), so workers started inside this block, and the ones the sidecar
+    forks later, keep them pending forever; the trainer's own handlers see them as before.
+    Only where torch itself would start workers (inductor's maybe_warm_pool: Triton present);
+    False when torch has no such hook (private API: tests/test_torch_floor.py notices).
+    """
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:
+        return False
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        maybe_warm_pool()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return True
+
+
 class StopRequest:
     """Install with `with StopRequest() as stop:`; `stop.signum` is set once asked (0 before)."""
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
-                 clock: Callable[[], float] = time.monotonic, abort: Callable[[], None] = _abort_now):
+                 clock: Callable[[], float] = time.monotonic, abort: Callable[[], None] = _abort_now,
+                 exit_while_saving: Callable[[int, Optional[str]], None] = _exit_while_saving,
+                 say: Callable[[str], None] = _say):
         self.signals = signals
         self.signum = 0
         self._first_interrupt: Optional[float] = None
-        self._clock, self._abort = clock, abort
+        self._last_signal: Optional[float] = None
+        self._clock, self._abort, self._exit_while_saving, self._say = clock, abort, exit_while_saving, say
+        self._newest_saved: Optional[Callable[[], Optional[str]]] = None
         self._previous: dict[signal.Signals, object] = {}
+
+    def saving_last_snapshot(self, newest_saved: Callable[[], Optional[str]], stopping: bool) -> None:
+        """From now on the last snapshot is being saved, which may be retried for
+        trainer.save_retry_minutes: a stop signal exits at once, naming `newest_saved()`, if
+        the run is `stopping` on a signal (which may have reached another rank only) or one
+        came before; at the end of a run, the second one does."""
+        self._newest_saved = newest_saved
+        if stopping and not self.signum:
+            self.signum = int(signal.SIGTERM)  # the ranks agreed to stop on another rank's signal
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         now = self._clock()
+        # One event can arrive twice within a moment (Slurm signals every process of a step and
+        # torchrun forwards what it got; a terminal's Ctrl-C reaches the whole process group).
+        repeated = self._last_signal is not None and now - self._last_signal < SAME_CTRL_C_SECONDS
+        self._last_signal = now
+        if self._newest_saved is not None and not repeated:
+            if self.signum:
+                self._exit_while_saving(signum, self._newest_saved())
+                return
+            self.signum = signum
+            self._say(f"{signal.Signals(signum).name} while the last snapshot is being saved: waiting for it (retried "
+                      "for up to trainer.save_retry_minutes); a second stop signal exits at once, keeping the "
+                      f"newest snapshot saved ({self._newest_saved() or 'none yet'})")
+            return
         # After a Ctrl-C, another one aborts; so does the SIGTERM with which torchrun's agent
         # follows up when its wait for the stopping workers is itself interrupted by Ctrl-C.
         if (signum in (signal.SIGINT, signal.SIGTERM) and self._first_interrupt is not None

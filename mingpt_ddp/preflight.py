@@ -4,8 +4,11 @@
     torchrun --nnodes=2 --nproc_per_node=8 ... -m mingpt_ddp.preflight
 
 Runs on every rank of the job's own torchrun topology. Each node reports its host, devices
-(GPU count, model and memory, or CPU cores) and torch/CUDA/NCCL versions; then an
-all_reduce sweep over all ranks (`bench comm`) prints size/algbw/busbw as nccl-tests do.
+(GPU count, model and memory, or CPU cores), torch/CUDA/NCCL versions and the FI_*/NCCL_*
+variables its workers actually see (under Pyxis the image's ENV wins over the job's
+exports); then an all_reduce sweep over all ranks (`bench comm`) prints size/algbw/busbw as
+nccl-tests do, and the transport each rank's collectives use (NCCL: P2P, SHM or NET/<plugin>
+with its provider, from NCCL's own log; gloo: the interface).
 It exits 0 when everything holds, else with code 2 and one `error:` line (rank 0) naming
 the node and what is wrong:
 
@@ -36,7 +39,18 @@ from mingpt_ddp.errors import ConfigError
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def node_facts(local_world_size: int) -> dict[str, Any]:
+# The fabric settings a worker runs with. Reported as the process sees them: under Pyxis the
+# image's ENV lines win over what the job exported, so what launch/multinode.sh exported may
+# not be what runs.
+FABRIC_ENV_PREFIXES = ("FI_", "NCCL_", "OFI_NCCL_", "GLOO_SOCKET_IFNAME")
+
+
+def fabric_environment() -> dict[str, str]:
+    """The FI_*, NCCL_*, OFI_NCCL_* and GLOO_SOCKET_IFNAME variables of this process."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(FABRIC_ENV_PREFIXES)}
+
+
+def node_facts(local_world_size: int, fabric: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """What this process sees of its node."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     props = [torch.cuda.get_device_properties(i) for i in range(gpus)]
@@ -55,14 +69,16 @@ def node_facts(local_world_size: int) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "nccl": nccl,
         "python": platform.python_version(),
+        "fabric_env": fabric_environment() if fabric is None else fabric,
     }
 
 
 def describe(f: dict[str, Any]) -> str:
     devices = (f"{f['gpus']} x {'/'.join(f['gpu_models'])} ({f['gpu_memory_gib']} GiB)" if f["gpus"]
                else f"CPU, {f['cpu_cores']} cores")
+    fabric = " ".join(f"{k}={v}" for k, v in f.get("fabric_env", {}).items()) or "no FI_*/NCCL_* variables"
     return (f"node {f['host']}: {f['workers']} worker(s) | {devices} | torch {f['torch']} CUDA {f['cuda'] or '-'} "
-            f"NCCL {f['nccl'] or '-'} | Python {f['python']}")
+            f"NCCL {f['nccl'] or '-'} | Python {f['python']} | workers see: {fabric}")
 
 
 def versions(f: dict[str, Any]) -> str:
@@ -166,8 +182,10 @@ def join() -> DistEnv:
 def run() -> Optional[str]:
     """The checks; the problem found (same on every rank), or None."""
     min_busbw, max_bytes = settings()
+    fabric = fabric_environment()  # as launched, before NCCL's log is sent to a file to name its transport
+    bench.nccl_log_to_files()
     dist = join()
-    facts = distributed.all_gather_object(node_facts(dist.local_world_size))
+    facts = distributed.all_gather_object(node_facts(dist.local_world_size, fabric))
     nodes = per_node(facts)
     if dist.is_main:
         print(f"preflight: {len(nodes)} node(s), {dist.world_size} rank(s)")

@@ -1,24 +1,45 @@
-"""One live run per snapshot location: a lock file (local, FSx) or a lease object (S3).
+"""One live run per snapshot location: a kernel lock where the filesystem has one, a lease
+where it has not (S3).
 
-Two runs writing the same snapshots and metrics (a job submitted twice, a run restarted
-by hand while the first still trains) would silently mix their steps. Global rank 0 takes
-the lock next to the snapshots (``.<stem>.lock``, e.g. ``.snapshot.lock``) before
-anything is loaded, keeps it fresh with a heartbeat, and removes it at the end.
+Two runs writing the same snapshots and metrics (a job submitted twice, two srun steps of
+one allocation, a restart by hand while the first still trains) would silently mix their
+steps. Global rank 0 takes the lock next to the snapshots (``.<stem>.lock``, e.g.
+``.snapshot.lock``) before anything is loaded and holds it until the run ends. The lock
+records its owner (host, pid, job, since when, a heartbeat every ``HEARTBEAT_S``, the
+machine's boot id and PID namespace) for the messages and for the judgements below.
 
-The lock records its owner: host, pid, the job (Slurm job id or torchrun run id) and
-since when. A second run is refused with an error naming that owner, unless the lock is
+**Kernel lock** (local disks; NFS; Lustre/FSx mounted with ``flock``, FSx's default):
+``fcntl.flock`` on the lock file. The kernel, or the filesystem's lock manager, releases it
+when its holder dies however it dies, and refuses it to every other process that sees the
+file, in any PID namespace or container and on any node. Refused: a live run holds it.
+Taken: whoever held it is gone. No pid or clock is guessed at.
 
-* stale: the owner's process is gone (same host), or its heartbeat is older than
-  ``STALE_AFTER_S`` (another host: a SIGKILLed job or a lost node), or
-* the same run: the same Slurm job (a requeue) or torchrun run id (a restart of failed
-  workers), which takes it over.
+**Lease** (S3; filesystems whose flock is missing or local to one node: Lustre ``noflock``
+or ``localflock``, FUSE, SMB): the record itself is the lock, renewed by the heartbeat.
+Creating it is exclusive (S3: a PUT with ``If-None-Match: *``; files: a hard link, which
+fails if the name exists). Its owner is gone when its process is gone (judged only on the
+same machine and in the same PID namespace, where a pid means something; two containers
+with host networking share a host name, not a PID namespace) or when its heartbeat is
+``STALE_AFTER_S`` old. Taking over compares and swaps what was judged (S3: a PUT with
+``If-Match`` on the ETag read; files: renaming that very inode aside), so of two runs
+taking over one stale lease exactly one wins. A holder that cannot renew its lease for
+``STALE_AFTER_S`` counts it as lost.
 
-Creation is exclusive: ``O_CREAT | O_EXCL`` on local and FSx (Lustre, NFSv3+) paths; on
-object stores a conditional PUT (``If-None-Match: *``, s3fs ``mode="create"``), which AWS
-S3 honours. A store that ignores the condition (some S3-compatible servers) degrades to
-"last writer wins": the lock is read back after writing and a second run that lost the
-race is refused, but two runs starting within the same second may both proceed. Other
-filesystems (HDFS, SFTP) check existence, then write: the same limitation.
+Either way a later launch of the same job takes over at once from the earlier one, which
+its launcher ended first: a Slurm requeue (a higher ``SLURM_RESTART_COUNT``), torchrun
+restarting its workers (a higher ``TORCHELASTIC_RESTART_COUNT``). Two live steps of one
+allocation (the same ``SLURM_JOB_ID``) are two runs.
+
+A run that loses its lock (the file removed or replaced under it, the lease taken over or
+expired) sees it at its next heartbeat: ``lost`` says why, and the trainer stops every rank
+at its next stop agreement with that error, saving nothing more.
+
+Why ``fcntl.flock`` and not the filelock package (which torch installs, at any version):
+the owner record lives in the locked file, the errno that says "no flock here" chooses the
+lease, and filelock's handling of the file on open and release changed between releases
+(older ones truncated it on every attempt). Other fsspec stores (GCS, Azure, HDFS, SFTP):
+a lease that checks, writes, then reads back: a second run is refused, but two runs
+starting within a second of each other may both pass.
 """
 from __future__ import annotations
 
@@ -27,10 +48,16 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
 from typing import Any, Optional
+
+try:
+    import fcntl
+except ImportError:  # Windows: leases only
+    fcntl = None  # type: ignore[assignment]
 
 from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
@@ -39,10 +66,22 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats: the owner is dead or cut off
+REFUSE_AFTER_S = 2.0  # a kernel lock held this long by another process: a live run, not a check_free probe
+
+# flock failures that mean "this filesystem has no flock" (Lustre mounted noflock: ENOSYS).
+_NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+# Hard links refused: the lease file is then created with O_EXCL.
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+# Disks only this machine sees: its kernel's lock reaches every process that can open the file.
+_LOCAL_FILESYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "reiserfs",
+                      "tmpfs", "ramfs", "overlay"}
+# Shared filesystems whose flock is cluster-wide (NFS too, unless mounted local_lock=flock/all).
+_CLUSTER_FLOCK = {"ceph", "gpfs", "ocfs2", "gfs2"}
 
 
+# ---- who and where ------------------------------------------------------------------------
 def job_identity() -> Optional[str]:
-    """The job this process belongs to, shared by its restarts (None for a bare process)."""
+    """The job this process belongs to, for messages (None for a bare process)."""
     slurm = os.environ.get("SLURM_JOB_ID")
     if slurm:
         array_task = os.environ.get("SLURM_ARRAY_TASK_ID")
@@ -53,6 +92,68 @@ def job_identity() -> Optional[str]:
     if elastic == "none":  # torchrun without a rendezvous id: its agent is the job
         return f"torchrun agent {socket.gethostname()}:{os.getppid()}"
     return None
+
+
+def _count(name: str) -> int:
+    try:
+        return int(os.environ.get(name) or 0)
+    except ValueError:
+        return 0
+
+
+def job_instance() -> dict[str, Any]:
+    """Which launch of which job this process is: the ids a job's restarts share, and the
+    counters that grow with each restart."""
+    slurm = os.environ.get("SLURM_JOB_ID") or None
+    if slurm and os.environ.get("SLURM_ARRAY_TASK_ID"):
+        slurm += "_" + os.environ["SLURM_ARRAY_TASK_ID"]
+    elastic = os.environ.get("TORCHELASTIC_RUN_ID") or None
+    if elastic == "none":
+        elastic = f"agent {socket.gethostname()}:{os.getppid()}"
+    return {"slurm_job": slurm, "slurm_restart": _count("SLURM_RESTART_COUNT"),
+            "slurm_step": os.environ.get("SLURM_STEP_ID"), "torchrun": elastic,
+            "torchrun_restart": _count("TORCHELASTIC_RESTART_COUNT")}
+
+
+def ended_by_restart(theirs: Any, mine: dict[str, Any]) -> Optional[str]:
+    """Why the owner is an earlier launch of this very job, which its launcher ended before
+    starting this one; None if it is not (another job, or another live step of this one)."""
+    if not isinstance(theirs, dict) or theirs.get("slurm_job") != mine["slurm_job"]:
+        return None
+    if mine["slurm_job"]:
+        if theirs.get("slurm_restart", 0) < mine["slurm_restart"]:
+            return f"Slurm requeued job {mine['slurm_job']} (restart {mine['slurm_restart']})"
+        if theirs.get("slurm_restart", 0) != mine["slurm_restart"] or theirs.get("slurm_step") != mine["slurm_step"]:
+            return None
+    if mine["torchrun"] and theirs.get("torchrun") == mine["torchrun"] \
+            and theirs.get("torchrun_restart", 0) < mine["torchrun_restart"]:
+        return f"torchrun restarted its workers (restart {mine['torchrun_restart']})"
+    return None
+
+
+def _read_text(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def machine() -> dict[str, Optional[str]]:
+    """Where a pid means something: this kernel (its boot id) and this PID namespace."""
+    try:
+        pid_ns: Optional[str] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    return {"host": socket.gethostname(), "boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns}
+
+
+def pids_comparable(owner: dict[str, Any]) -> bool:
+    """Whether the owner's pid can be looked up here: same kernel and PID namespace."""
+    here = machine()
+    if here["boot_id"] is None:  # not Linux (macOS): one PID space per host
+        return owner.get("host") == here["host"] and owner.get("boot_id") is None
+    return owner.get("boot_id") == here["boot_id"] and owner.get("pid_ns") == here["pid_ns"]
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -74,6 +175,40 @@ def _alive_here(pid: int, start: Optional[str]) -> bool:
     return start is None or _process_start(pid) in (None, start)
 
 
+def _mount(path: str) -> Optional[tuple[str, set[str]]]:
+    """The filesystem type and options of the mount holding `path` (None where there is
+    no /proc/self/mountinfo: not Linux)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    real, best = os.path.realpath(path), None
+    for line in lines:
+        head, _, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if len(fields) < 6 or len(rest) < 3:
+            continue
+        point = fields[4].replace("\\040", " ")
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best[0])):
+            best = (point, rest[0], set(fields[5].split(",")) | set(rest[2].split(",")))
+    return (best[1], best[2]) if best else None
+
+
+def flock_reaches_everyone(directory: str) -> bool:
+    """Whether a flock on a file in `directory` is seen by every process that can open that
+    file: disks only this machine sees, and shared filesystems with cluster-wide locks."""
+    mount = _mount(directory)
+    if mount is None:
+        return False  # unknown: a lease (a restart on this machine is still judged by its pid)
+    fstype, options = mount
+    if fstype == "lustre":
+        return "flock" in options  # not noflock (no flock at all) nor localflock (this node only)
+    if fstype in ("nfs", "nfs4"):
+        return not {"local_lock=flock", "local_lock=all"} & options
+    return fstype in _CLUSTER_FLOCK or fstype in _LOCAL_FILESYSTEMS
+
+
 def describe_owner(owner: dict[str, Any]) -> str:
     job = owner.get("job") or "no Slurm job or torchrun run id"
     since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(owner.get("started", 0)))
@@ -81,114 +216,296 @@ def describe_owner(owner: dict[str, Any]) -> str:
     return f"host {owner.get('host')}, pid {owner.get('pid')}, {job}, since {since}, last heartbeat {beat:.0f}s ago"
 
 
+def _parse(raw: Optional[bytes]) -> dict[str, Any]:
+    """The owner's record; {} if there is none or it is unreadable (being written, damaged)."""
+    try:
+        owner = json.loads(raw or b"")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        there = os.stat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (there.st_dev, there.st_ino) == (here.st_dev, here.st_ino)
+
+
+# A forked child (a DataLoader worker, a helper process) must not keep the kernel lock
+# after this process dies: it closes its copies of the locked files at once.
+_HELD_FDS: set[int] = set()
+
+
+def _close_held_in_child() -> None:
+    for fd in list(_HELD_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_held_in_child)
+
+
+# ---- leases: create, renew, take over, remove --------------------------------------------------
+# Each returns the version it wrote (the record's bytes, an ETag), or None when the store
+# shows that someone else got there first.
+class _FileLease:
+    """A lease file: created whole by a hard link (which fails if the name exists; O_EXCL
+    where there are no hard links), renewed
+    with os.replace after checking it is still ours, taken over by renaming the file aside
+    and keeping it aside only if it is the very record that was judged (else it goes back).
+    A version is the record's bytes (its token and heartbeat make it unique): an inode
+    number would be reused by the next file created."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def _whole_file(self, blob: bytes) -> str:
+        tmp = f"{self.path}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        return tmp
+
+    def read(self) -> tuple[Optional[bytes], Optional[bytes]]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, None
+        return raw, raw
+
+    def create(self, blob: bytes) -> Optional[bytes]:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        tmp = self._whole_file(blob)
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            return self._create_exclusive(blob)
+        finally:
+            os.unlink(tmp)
+        return blob
+
+    def _create_exclusive(self, blob: bytes) -> Optional[bytes]:
+        """Without hard links: O_EXCL, then the record (a reader meanwhile sees it empty and waits)."""
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        return blob
+
+    def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+        tmp = self._whole_file(blob)
+        try:
+            if self.read()[0] != version:
+                return None
+            os.replace(tmp, self.path)
+            return blob
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+        aside = f"{self.path}.{uuid.uuid4().hex[:8]}.stale"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return None
+        try:
+            with open(aside, "rb") as f:
+                judged = f.read() == version
+            if not judged:  # changed since it was judged: put it back
+                self._put_back(aside)
+                return None
+        finally:
+            if os.path.lexists(aside):
+                os.unlink(aside)
+        return self.create(blob)
+
+    def _put_back(self, aside: str) -> None:
+        try:
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass  # a third run created one meanwhile; the owner finds its lease gone
+        except OSError as exc:
+            if exc.errno not in _NO_LINKS:
+                raise
+            if not os.path.lexists(self.path):
+                os.rename(aside, self.path)
+
+    def remove(self, version: Optional[bytes]) -> None:
+        if self.read()[0] == version:
+            os.unlink(self.path)
+
+
+class _S3Lease:
+    """A lease object: conditional PUTs on the ETag (storage.s3_put_if)."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+
+    def read(self) -> tuple[Optional[bytes], Optional[str]]:
+        return storage.s3_read(self.fs, self.path)
+
+    def create(self, blob: bytes) -> Optional[str]:
+        return storage.s3_put_if(self.fs, self.path, blob)
+
+    def renew(self, blob: bytes, version: Optional[str]) -> Optional[str]:
+        return storage.s3_put_if(self.fs, self.path, blob, if_match=version) if version else None
+
+    take_over = renew
+
+    def remove(self, version: Optional[str]) -> None:
+        self.fs.rm_file(self.path)
+
+
+class _CheckThenWriteLease:
+    """Other fsspec stores: check, then write (the lock is read back after taking it)."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self.create_mode = {"mode": "create"} if storage.is_object_store(fs) else {}  # honoured by some (GCS)
+
+    def read(self) -> tuple[Optional[bytes], Optional[bytes]]:
+        self.fs.invalidate_cache(self.path)
+        try:
+            raw = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return None, None
+        return raw, raw
+
+    def create(self, blob: bytes) -> Optional[bytes]:
+        self.fs.invalidate_cache(self.path)
+        if self.fs.exists(self.path):
+            return None
+        try:
+            self.fs.pipe_file(self.path, blob, **self.create_mode)
+        except FileExistsError:
+            return None
+        return blob
+
+    def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+        if self.read()[0] != version:
+            return None
+        self.fs.pipe_file(self.path, blob)
+        return blob
+
+    take_over = renew
+
+    def remove(self, version: Optional[bytes]) -> None:
+        self.fs.rm(self.path)
+
+
+# ---- the lock ----------------------------------------------------------------------------------
 class RunLock:
     """The lock of the snapshots at `store` (a SnapshotStore); only global rank 0 takes it."""
 
-    def __init__(self, store, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S):
-        self.fs, self.is_local, self.is_object_store = store.fs, store.is_local, store.is_object_store
+    def __init__(self, store, heartbeat_s: Optional[float] = None, stale_after_s: Optional[float] = None):
+        self.fs, self.is_local = store.fs, store.is_local
         self.path = store._join(f".{store.stem}.lock")
         self.where = store.display(self.path)
-        self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
+        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        self.stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
         self.token = uuid.uuid4().hex
+        self.held = False
+        self.lost: Optional[str] = None  # why this run no longer holds its lock (set by the heartbeat)
+        self._fd: Optional[int] = None  # the kernel-locked file, while held
+        self._written = 0
+        self._version: Any = None  # the lease as this run last wrote it (its bytes, its ETag)
+        self._started = time.time()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.held = False
+        if self.is_local:
+            self._lease: Any = _FileLease(self.path)
+        elif storage.is_s3(self.fs):
+            self._lease = _S3Lease(self.fs, self.path)
+        else:
+            self._lease = _CheckThenWriteLease(self.fs, self.path)
 
-    def _record(self, started: Optional[float] = None) -> bytes:
-        now = time.time()
+    def _kernel_lock_possible(self) -> bool:
+        return self.is_local and fcntl is not None and flock_reaches_everyone(os.path.dirname(self.path) or ".")
+
+    def _record(self) -> bytes:
         return json.dumps({
-            "host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
-            "job": job_identity(), "started": started or now, "heartbeat": now, "token": self.token,
+            **machine(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()), "job": job_identity(),
+            "instance": job_instance(), "started": self._started, "heartbeat": time.time(), "token": self.token,
+            "kernel_lock": self._fd is not None,
         }).encode()
 
-    # ---- the store's primitives --------------------------------------------------------
-    def _create(self, blob: bytes) -> bool:
-        """Write the lock only if there is none; False if there is one."""
-        if self.is_local:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            return True
-        if self.is_object_store:
-            self.fs.invalidate_cache(self.path)
-            if self.fs.exists(self.path):  # also right on stores that ignore If-None-Match
-                return False
-            try:
-                self.fs.pipe_file(self.path, blob, mode="create")
-            except FileExistsError:
-                return False
-            except OSError as exc:  # s3fs maps a 412 without its condition name to EINVAL
-                if exc.errno == errno.EINVAL:
-                    return False
-                raise
-            return True
-        if self.fs.exists(self.path):
-            return False
-        self.fs.pipe_file(self.path, blob)
-        return True
-
-    def _overwrite(self, blob: bytes) -> None:
-        if self.is_local:
-            tmp = f"{self.path}.{self.token[:8]}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        else:
-            self.fs.pipe_file(self.path, blob)
-
-    def _read(self) -> Optional[dict[str, Any]]:
-        """The owner's record; None if there is no lock; {} if it is unreadable."""
-        try:
-            if self.is_local:
-                with open(self.path, "rb") as f:
-                    raw = f.read()
-            else:
-                self.fs.invalidate_cache(self.path)
-                raw = self.fs.cat_file(self.path)
-        except FileNotFoundError:
-            return None
-        try:
-            owner = json.loads(raw)
-            return owner if isinstance(owner, dict) else {}
-        except ValueError:
-            return {}
-
-    def _remove(self) -> None:
-        try:
-            self.fs.rm(self.path)
-        except FileNotFoundError:
-            pass
-
-    # ---- taking and keeping it ------------------------------------------------------------
+    # ---- judging an owner ------------------------------------------------------------------
     def why_not_stale(self, owner: dict[str, Any]) -> Optional[str]:
-        """None if `owner` no longer holds the run; else what shows it is alive."""
-        age = time.time() - float(owner.get("heartbeat", 0))
-        if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
-            if not _alive_here(owner["pid"], owner.get("pid_start")):
-                return None
-            return "its process is alive"
-        if age > self.stale_after_s:
+        """None if the lease's `owner` no longer holds the run; else what shows it is alive."""
+        if pids_comparable(owner) and isinstance(owner.get("pid"), int):
+            return "its process is alive" if _alive_here(owner["pid"], owner.get("pid_start")) else None
+        if ended_by_restart(owner.get("instance"), job_instance()):
+            return None
+        if time.time() - float(owner.get("heartbeat", 0)) > self.stale_after_s:
             return None
         return "its heartbeat is recent"
 
+    def _why_gone(self, owner: dict[str, Any]) -> str:
+        if pids_comparable(owner) and isinstance(owner.get("pid"), int):
+            return "its process is gone"
+        restart = ended_by_restart(owner.get("instance"), job_instance())
+        return restart or f"its last heartbeat is {time.time() - float(owner.get('heartbeat', 0)):.0f}s old"
+
+    def _refusal(self, owner: dict[str, Any], kernel: bool) -> str:
+        who = describe_owner(owner) if owner else "it is starting: its record is not written yet"
+        mine = job_instance()
+        same_job = (mine["slurm_job"] and isinstance(owner.get("instance"), dict)
+                    and owner["instance"].get("slurm_job") == mine["slurm_job"])
+        step_hint = ("; two live steps of one Slurm job are two runs: give each srun step its own hydra.run.dir"
+                     if same_job else "")
+        ends = ("The lock is released the moment that run ends or dies" if kernel else
+                "A run that died without cleaning up stops blocking once its process is gone (same machine) or its "
+                f"heartbeat is {self.stale_after_s / 60:g} minutes old")
+        return (f"another run is live on these snapshots ({who}; lock {self.where}): wait for it to end or stop it, "
+                f"or use another hydra.run.dir / trainer.snapshot_path{step_hint}. {ends}")
+
+    # ---- taking it ---------------------------------------------------------------------------
     def check_free(self) -> None:
-        """Raise the refusal if a live run of another job holds the lock (a read-only check,
-        for before anything is written; acquire() is what takes the lock)."""
-        owner = self._read()
-        if owner and not (job_identity() is not None and owner.get("job") == job_identity()) \
-                and self.why_not_stale(owner) is not None:
-            raise ConfigError(self._refusal(owner))
+        """Raise the refusal if a live run holds the lock: a read-only look, for before
+        anything is written (acquire() is what takes the lock)."""
+        if self._kernel_lock_possible():
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: probes do not block each other
+                owner = _parse(os.pread(fd, 1 << 16, 0))
+                if not owner or owner.get("kernel_lock"):
+                    return  # nobody holds the kernel lock: whoever wrote this is gone
+            except BlockingIOError:
+                raise ConfigError(self._refusal(self._owner_of_file(), kernel=True)) from None
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    raise
+            finally:
+                os.close(fd)
+        owner = _parse(self._lease.read()[0])
+        if owner and self.why_not_stale(owner) is not None:
+            raise ConfigError(self._refusal(owner, kernel=False))
 
     def acquire(self) -> None:
         """Take the lock, or raise a ConfigError naming the live run that holds it."""
+        if storage.is_s3(self.fs):
+            self._require_conditional_writes()
         try:
             storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5)
         except ConfigError:
@@ -197,60 +514,159 @@ class RunLock:
             raise ConfigError(f"cannot take the run lock {self.where} ({storage.describe(exc)}): check that "
                               "trainer.snapshot_path / the run directory is writable") from None
 
+    def _require_conditional_writes(self) -> None:
+        if {"IfMatch", "IfNoneMatch"} <= storage.s3_put_parameters():
+            return
+        import botocore
+        import s3fs
+
+        raise ConfigError(
+            f"the run lease {self.where} needs S3 conditional writes (If-None-Match, If-Match), which botocore "
+            f"{botocore.__version__} (under s3fs {s3fs.__version__}) cannot send, so two runs could both take it: "
+            f"{sys.executable} -m pip install -U 's3fs>=2024.12' 'aiobotocore>=2.16'"
+        )
+
     def _acquire(self) -> None:
-        mine = job_identity()
-        for _ in range(5):
-            if self._create(self._record()):
-                break
-            owner = self._read()
-            if owner is None:  # released meanwhile
-                continue
-            if not owner:  # being written right now, or damaged
-                time.sleep(1.0)
-                owner = self._read()
-                if owner == {}:
-                    log.warning("run lock %s is unreadable; replacing it", self.where)
-                    self._remove()
-                continue
-            if mine is not None and owner.get("job") == mine:
-                log.info("run lock %s: taking it over from an earlier process of the same job (%s)",
-                         self.where, describe_owner(owner))
-                self._overwrite(self._record())
-                break
-            if self.why_not_stale(owner) is None:
-                log.warning("run lock %s was left by a run that is gone (%s); taking it over",
-                            self.where, describe_owner(owner))
-                self._remove()
-                continue
-            raise ConfigError(self._refusal(owner))
-        else:
-            raise ConfigError(f"could not take the run lock {self.where} after 5 tries: another run is starting "
-                              "in the same place; start one run per run directory / trainer.snapshot_path")
-        owner = self._read() or {}
-        if owner.get("token") != self.token:  # a store without conditional writes let another run in
-            raise ConfigError(self._refusal(owner))
-        self.held = True
+        self._started = time.time()
+        if not (self._kernel_lock_possible() and self._take_kernel_lock()):
+            self._take_lease()
+        self.held, self.lost = True, None
+        self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
         self._thread.start()
 
-    def _refusal(self, owner: dict[str, Any]) -> str:
-        return (f"another run is live on these snapshots ({describe_owner(owner)}; lock {self.where}): "
-                "wait for it to end or stop it, or use another hydra.run.dir / trainer.snapshot_path. A run that "
-                f"died without cleaning up stops blocking once its process is gone or its heartbeat is "
-                f"{self.stale_after_s / 60:g} minutes old")
+    def _take_kernel_lock(self) -> bool:
+        """Take the kernel lock; False if the filesystem has no flock after all (then a lease)."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        refuse_at = time.monotonic() + REFUSE_AFTER_S
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if time.monotonic() < refuse_at:
+                    time.sleep(0.1)
+                    continue
+                raise ConfigError(self._refusal(self._owner_of_file(), kernel=True)) from None
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in _NO_FLOCK:
+                    log.info("run lock %s: no flock on this filesystem (%s); using a lease", self.where,
+                             os.strerror(exc.errno))
+                    return False
+                raise
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # removed or replaced while we took it: lock the file now there
+        owner = _parse(os.pread(fd, 1 << 16, 0))
+        if owner and not owner.get("kernel_lock") and self.why_not_stale(owner) is not None:
+            os.close(fd)  # a lease's holder (another mount of this filesystem) that is alive
+            raise ConfigError(self._refusal(owner, kernel=False))
+        if owner:
+            log.warning("run lock %s was left by a run that is gone (%s); taking it over", self.where,
+                        describe_owner(owner))
+        self._fd = fd
+        _HELD_FDS.add(fd)
+        os.ftruncate(fd, 0)
+        self._written = 0
+        self._write_in_place(self._record())
+        return True
 
+    def _write_in_place(self, blob: bytes) -> None:
+        """Rewrite the record in the locked file, never shorter than before, so that a
+        reader never sees it cut short (JSON allows the trailing spaces)."""
+        padded = blob.ljust(self._written)
+        os.pwrite(self._fd, padded, 0)
+        os.fsync(self._fd)
+        self._written = len(padded)
+
+    def _owner_of_file(self) -> dict[str, Any]:
+        """The kernel lock holder's record, for a message (it may be writing it right now)."""
+        for _ in range(10):
+            owner = _parse(self._lease.read()[0])
+            if owner:
+                return owner
+            time.sleep(0.1)
+        return {}
+
+    def _take_lease(self) -> None:
+        for _ in range(5):
+            version = self._lease.create(self._record())
+            if version is None:
+                raw, version = self._lease.read()
+                if raw is None:  # released meanwhile
+                    continue
+                owner = _parse(raw)
+                if not owner:  # being written (check-then-write stores), or damaged
+                    time.sleep(1.0)
+                    again, version = self._lease.read()
+                    if again != raw:
+                        continue
+                    log.warning("run lock %s is unreadable; replacing it", self.where)
+                elif self.why_not_stale(owner) is not None:
+                    raise ConfigError(self._refusal(owner, kernel=False))
+                else:
+                    log.warning("run lock %s was left by a run that is gone (%s: %s); taking it over", self.where,
+                                describe_owner(owner), self._why_gone(owner))
+                version = self._lease.take_over(self._record(), version)
+                if version is None:  # another run changed it first: look again
+                    continue
+            break
+        else:
+            raise ConfigError(f"could not take the run lock {self.where} after 5 tries: another run is starting "
+                              "in the same place; start one run per run directory / trainer.snapshot_path")
+        raw, self._version = self._lease.read()
+        owner = _parse(raw)
+        if owner.get("token") != self.token:  # a store without compare-and-swap let another run in
+            raise ConfigError(self._refusal(owner, kernel=False))
+        if isinstance(self._lease, _S3Lease) and storage.s3_put_if(self.fs, self.path, self._record()) is not None:
+            self._version = self._lease.read()[1]
+            log.warning("the S3 store of %s ignores If-None-Match (conditional writes): two runs started within a "
+                        "second of each other may both take the run lock", self.where)
+
+    # ---- keeping it --------------------------------------------------------------------------
     def _beat(self) -> None:
-        started = time.time()
+        renewed = time.monotonic()
         while not self._stop.wait(self.heartbeat_s):
             try:
-                owner = self._read() or {}
-                if owner.get("token") != self.token:
-                    log.error("run lock %s was taken by another run (%s): two runs now write these snapshots",
-                              self.where, describe_owner(owner) if owner else "lock removed")
-                    return
-                self._overwrite(self._record(started=owner.get("started", started)))
-            except Exception as exc:  # a missed heartbeat is not fatal; many in a row make the lock stale
-                log.warning("run lock %s: heartbeat failed (%s)", self.where, storage.describe(exc))
+                why = self._renew()
+            except Exception as exc:  # a missed heartbeat is not fatal; many in a row let the lease expire
+                if self._fd is not None or time.monotonic() - renewed <= self.stale_after_s:
+                    log.warning("run lock %s: heartbeat failed (%s)", self.where, storage.describe(exc))
+                    continue
+                why = (f"its lease could not be renewed for {time.monotonic() - renewed:.0f}s "
+                       f"({storage.describe(exc)}), so another run may take it")
+            if why:
+                self.lost = (f"lost the run lock {self.where}: {why}. This run stops without saving again, so that "
+                             "one run alone writes these snapshots")
+                return
+            renewed = time.monotonic()
+
+    def _renew(self) -> Optional[str]:
+        """Refresh the heartbeat; why the lock is no longer this run's, or None."""
+        if self._fd is not None:
+            if not _same_file(self._fd, self.path):
+                owner = _parse(self._lease.read()[0])
+                return "the lock file was removed or replaced" + (
+                    f"; it is now held by another run ({describe_owner(owner)})" if owner else "")
+            self._write_in_place(self._record())
+            return None
+        version = self._lease.renew(self._record(), self._version)
+        if version is not None:
+            self._version = version
+            return None
+        raw, version = self._lease.read()
+        owner = _parse(raw)
+        if owner.get("token") == self.token:  # our own write went through; its reply was lost
+            self._version = version
+            return None
+        return f"another run took it over ({describe_owner(owner)})" if owner else "the lock was removed"
+
+    def raise_if_lost(self) -> None:
+        """For after the run: a lock lost since the last stop agreement is still an error."""
+        if self.lost:
+            raise ConfigError(self.lost)
 
     def release(self) -> None:
         """Stop the heartbeat (joined: no thread outlives the run) and remove the lock if ours."""
@@ -262,9 +678,18 @@ class RunLock:
             return
         self.held = False
         try:
-            owner = self._read()
-            if owner and owner.get("token") == self.token:
-                self._remove()
+            if self._fd is not None:
+                if _same_file(self._fd, self.path):
+                    os.unlink(self.path)  # while still locked: a waiter then finds the name gone and retries
+            elif not self.lost:
+                raw, version = self._lease.read()
+                if _parse(raw).get("token") == self.token:
+                    self._lease.remove(version)
         except Exception as exc:
             log.warning("could not remove the run lock %s (%s); the next run will find it stale",
                         self.where, storage.describe(exc))
+        finally:
+            if self._fd is not None:
+                _HELD_FDS.discard(self._fd)
+                os.close(self._fd)
+                self._fd = None

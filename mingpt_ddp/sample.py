@@ -15,8 +15,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp.char_dataset import Vocabulary
-from mingpt_ddp import storage
+from mingpt_ddp import storage, tokenizer
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.snapshot import SnapshotStore
@@ -69,12 +68,12 @@ def load_latest(target: str) -> Optional[tuple[dict, str]]:
 def check_options(opts: SampleConfig) -> None:
     """Refuse options that would crash deep in torch or silently sample something else."""
     if opts.max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens={opts.max_new_tokens} must be >= 0 (the number of characters to add)")
+        raise ConfigError(f"max_new_tokens={opts.max_new_tokens} must be >= 0 (the number of tokens to add)")
     if opts.temperature < 0:
-        raise ConfigError(f"temperature={opts.temperature} must be >= 0 (0: always the likeliest character, "
+        raise ConfigError(f"temperature={opts.temperature} must be >= 0 (0: always the likeliest token, "
                           "1: the model's distribution, e.g. temperature=0.8)")
     if opts.top_k is not None and opts.top_k < 1:
-        raise ConfigError(f"top_k={opts.top_k} must be at least 1 (sample among the k likeliest characters), "
+        raise ConfigError(f"top_k={opts.top_k} must be at least 1 (sample among the k likeliest tokens), "
                           "or top_k=null for no limit")
 
 
@@ -84,15 +83,15 @@ def generate_text(target: str, opts: SampleConfig) -> str:
     if found is None:
         raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
     snapshot, _ = found
-    vocab = Vocabulary(snapshot["vocab"])
+    tok = tokenizer.from_snapshot(snapshot)  # the run's own: its characters, BPE or GPT-2's
     model = GPT(GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])
     model.to(opts.device).eval()
     prompt = opts.prompt or "\n"
-    context = vocab.encode(prompt).long()[None].to(opts.device)
+    context = torch.from_numpy(tok.encode(prompt).astype("int64"))[None].to(opts.device)
     generator = torch.Generator(device=opts.device).manual_seed(opts.seed)
     out = model.generate(context, opts.max_new_tokens, opts.temperature, opts.top_k, generator=generator)
-    return vocab.decode(out[0].tolist())
+    return tok.decode(out[0].tolist())
 
 
 def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
@@ -124,17 +123,22 @@ def cli(argv: Optional[list[str]] = None) -> None:
 
 
 @torch.no_grad()
-def preview(model: GPT, vocab: Vocabulary, run_dir: str, chars: int = 240, lines: int = 4) -> str:
+def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4) -> str:
     """A few lines the model just learned to write, and the command that samples more: how a
-    run ends on rank 0. Dropout off, a fixed seed, the model left as it was found."""
+    run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
+    starts where a document starts: after a newline (characters) or <|endoftext|>."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    start = vocab.encode("\n" if "\n" in vocab.chars else vocab.chars[0]).long()[None].to(device)
+    if isinstance(tok, tokenizer.CharTokenizer):
+        first = tok.encode("\n" if "\n" in tok.vocab.chars else tok.vocab.chars[0])
+    else:
+        first = tok.separator_ids
+    start = torch.from_numpy(first.astype("int64"))[None].to(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    out = model.generate(start, chars, temperature=0.8, generator=generator)
+    out = model.generate(start, tokens, temperature=0.8, generator=generator)
     model.train(was_training)
-    text = "\n".join(vocab.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
+    text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
     shown = "\n".join("    " + line for line in text.splitlines())
     return (f"a sample of what the model writes now:\n{shown}\n"
             f"sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")

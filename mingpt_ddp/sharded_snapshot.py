@@ -60,13 +60,14 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint import (CheckpointException, DefaultLoadPlanner, FileSystemReader,
+                                        FileSystemWriter, TensorStorageMetadata)
+
+try:  # torch's one fsspec reader/writer for DCP, public classes in a private module: no other import path
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+except ImportError:  # without it: local paths through the public FileSystemReader/Writer, remote ones refused
+    FsspecReader, FsspecWriter = FileSystemReader, FileSystemWriter
+HAS_FSSPEC_DCP = FsspecReader is not FileSystemReader
 
 from mingpt_ddp import storage
 from mingpt_ddp.errors import ConfigError
@@ -121,34 +122,37 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refused to load {module}.{name} from a snapshot's DCP metadata")
 
 
+def metadata_file_name(rank: Optional[int] = None) -> str:
+    """The name DCP gives its index of the shards (torch's private FileSystemReader._get_metadata_path
+    says the same; tests/test_torch_floor.py notices if torch renames it)."""
+    return ".metadata" if rank is None else f"__{rank}.metadata"
+
+
 class _SafeReader(FsspecReader):
+    """DCP's reader, whose .metadata passes a restricted unpickler before DCP unpickles it.
+
+    The file is read through this store's own fsspec filesystem (`fs`, `directory`), not
+    through the reader's internals; DCP then reads the same checked bytes its usual way."""
+
+    def __init__(self, path: str, fs, directory: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self._own_fs, self._directory = fs, directory
+
     def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        name = metadata_file_name(kwargs.get("rank"))
+        with self._own_fs.open(f"{self._directory}/{name}", "rb") as f:
+            _MetadataUnpickler(f).load()  # raises on anything but DCP's own types
+        return super().read_metadata(*args, **kwargs)
 
 
-class _SafeBytes:
-    """Non-tensor entries (optimizer param groups) are read with weights_only=True."""
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    """Non-tensor entries (optimizer param groups) must load with weights_only=True before DCP
+    loads them (with plain pickle): the same bytes, so nothing but plain data gets through."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
-
-
-class _SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
-    pass
-
-
-class _SafeEmptyStateDictLoadPlanner(_SafeBytes, _EmptyStateDictLoadPlanner):
-    pass
+        torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 class _HashingStream:
@@ -173,14 +177,19 @@ class _HashingStream:
         return getattr(self._stream, name)
 
 
-class _HashingFileSystem(_FsspecFileSystem):
-    def __init__(self) -> None:
-        super().__init__()
-        self.written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256) as written
+class _HashingFileSystem:
+    """The writer's file system object, with the files it writes hashed on the way; anything
+    else passes through to it."""
+
+    def __init__(self, inner, written: dict[str, tuple[int, str]]) -> None:
+        self._inner, self.written = inner, written
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
 
     @contextmanager
     def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
+        with self._inner.create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
                 return
@@ -192,16 +201,15 @@ class _HashingFileSystem(_FsspecFileSystem):
 
 class _HashingWriter(FsspecWriter):
     """DCP's fsspec writer, keeping the size and sha256 of each file as it writes it, so a
-    rank need not read its shards back (from S3) to put them in the commit marker."""
+    rank need not read its shards back (from S3) to put them in the commit marker. The
+    writer's `fs` is DCP's own attribute: without it, the files are read back to hash them."""
 
     def __init__(self, path: str, **kwargs: Any) -> None:
         super().__init__(path, **kwargs)
-        self.fs = _HashingFileSystem()
-        self.path = self.fs.init_path(path, **{k: v for k, v in kwargs.items() if k not in _WRITER_ARGS})
-
-
-_WRITER_ARGS = {"single_file_per_rank", "sync_files", "thread_count", "per_thread_copy_ahead", "overwrite",
-                "_extensions", "serialization_format"}
+        self.written: dict[str, tuple[int, str]] = {}  # file name -> (size, sha256) as written
+        inner = getattr(self, "fs", None)
+        if callable(getattr(inner, "create_stream", None)):
+            self.fs = _HashingFileSystem(inner, self.written)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -251,6 +259,7 @@ class SaveHandle:
         self.directory = directory
         self._error: Optional[str] = None
         self.superseded = threading.Event()
+        self.committed = False  # True once this snapshot's marker is written (not when superseded)
         self._thread: Optional[threading.Thread] = None
 
     def _run(self, target) -> None:
@@ -296,6 +305,10 @@ class ShardedSnapshotStore:
         self._files = SnapshotStore(path, keep_last, storage_options, retry_minutes)  # check_writable, hints
         self.fs, path_in_fs = self._files.fs, self._files.path
         self.is_local, self.is_object_store = self._files.is_local, self._files.is_object_store
+        if not self.is_local and not HAS_FSSPEC_DCP:
+            raise ConfigError(f"sharded snapshots at {path} need torch.distributed.checkpoint's fsspec reader and "
+                              f"writer, which torch {torch.__version__} lacks: put trainer.snapshot_path on a local or "
+                              "shared filesystem, or use a torch that has them")
         self.retry_minutes = self._files.retry_minutes
         self.root = path_in_fs + ".dcp"
         self._group = None
@@ -522,7 +535,7 @@ class ShardedSnapshotStore:
         return None
 
     def _reader(self, directory: str) -> _SafeReader:
-        return _SafeReader(self._url(directory), **({} if self.is_local else self.storage_options))
+        return _SafeReader(self._url(directory), self.fs, directory, **({} if self.is_local else self.storage_options))
 
     # ---- writing --------------------------------------------------------------------------
     def _save_group(self):
@@ -560,7 +573,7 @@ class ShardedSnapshotStore:
         staged = self._stage(sharded)
         directory = self.step_dir(step)
         handle = SaveHandle(step, self.display(directory))
-        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle.superseded))
+        handle._run(lambda: self._save(step, directory, staged, meta_blob, group, handle))
         self._inflight = handle
         return handle
 
@@ -582,7 +595,7 @@ class ShardedSnapshotStore:
         return error
 
     def _save(self, step: int, directory: str, staged: dict[str, Any], meta_blob: Optional[bytes], group,
-              superseded: threading.Event) -> Optional[str]:
+              handle: SaveHandle) -> Optional[str]:
         """Attempt the save until it is committed, fails for good, or has failed for
         `save_retry_minutes`; every rank takes the same decisions (each attempt's outcome is
         agreed), so their collectives stay in step. A newer save_async on any rank ends the
@@ -592,6 +605,7 @@ class ShardedSnapshotStore:
         for attempt, delay in enumerate(storage.backoff_delays(first=1.0, cap=60.0), start=1):
             error, transient = self._save_once(step, directory, staged, meta_blob, group)
             if error is None:
+                handle.committed = True
                 if attempt > 1:
                     log.warning("saving sharded snapshot %s worked after %d failed attempts", where, attempt - 1)
                 return None
@@ -602,8 +616,8 @@ class ShardedSnapshotStore:
                               f"trainer.save_retry_minutes={self.save_retry_minutes:g})")
                 return error
             log.warning("%s; retrying in %.0fs while training goes on", error, delay)
-            superseded.wait(delay)
-            if any(_agree(group, superseded.is_set())):
+            handle.superseded.wait(delay)
+            if any(_agree(group, handle.superseded.is_set())):
                 log.warning("sharded snapshot %s was not saved; a newer one replaces it", where)
                 return None
         raise AssertionError("unreachable")
@@ -639,7 +653,7 @@ class ShardedSnapshotStore:
             if rank == 0:
                 stored.update({name: None for name in (".metadata", META)})
             for name, stored_size in stored.items():
-                size, digest = writer.fs.written.get(name, (None, None))
+                size, digest = writer.written.get(name, (None, None))
                 if size is None or size != stored_size:
                     size, digest = _sha256_of(self.fs, f"{directory}/{name}")
                 hashed[name] = {"size": size, "sha256": digest}
@@ -797,18 +811,20 @@ def load_full_model_state(path: str, storage_options: Optional[Mapping[str, Any]
                 marker = store.read_marker(directory)
                 store._check_checksums(directory, sorted(marker["files"]), marker)
                 meta = store._read_meta(directory, marker)
-                state: dict[str, Any] = {}
             except CorruptShardedSnapshot as exc:
                 log.warning("skipping unusable sharded snapshot %s", exc)
                 problems.append(str(exc))
                 continue
             try:
-                # DCP's own no-process-group load (as its dcp_to_torch_save does), model entries only.
-                _load_state_dict(state, storage_reader=store._reader(directory),
-                                 planner=_SafeEmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
+                # Plain tensors shaped as the index says, filled by DCP without a process group.
+                reader = store._reader(directory)
+                state = {"model": {key[len("model."):]: torch.empty(item.size, dtype=item.properties.dtype)
+                                   for key, item in reader.read_metadata().state_dict_metadata.items()
+                                   if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}}
+                dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
             except (Exception, CheckpointException) as exc:
                 raise ConfigError(_unloadable(store.display(directory), exc)) from None
-            return dict(state["model"]), meta
+            return state["model"], meta
         store._no_usable(problems)
         raise ConfigError(f"no sharded snapshot at {store.display(store.root)}: train with trainer.strategy=fsdp "
                           "first, or point trainer.snapshot_path at a run that did")

@@ -2,14 +2,18 @@
 options, bounded retries of transient failures, and keeping secrets out of everything a
 run writes.
 
-Secrets policy: credentials come from the standard chain of the backend (for S3: the
-``AWS_*`` environment, a profile, an instance role). A storage option that looks like a
-secret (``key``, ``secret``, ``token``, ``password``, ...) may only be given as an
-``${oc.env:VAR}`` interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved
-config before any of our code runs, so only the interpolation's text lands there. A
-literal secret is refused (ConfigError) and rank 0 scrubs it from the ``.hydra/`` files
-Hydra already wrote. Resolved secrets are redacted from the config stored in snapshots
-and from log lines.
+Secrets cross one boundary, the process's `Secrets` (SECRETS), which main() fills once per
+run with resolve_secrets(). Credentials come from the standard chain of the backend (for
+S3: the ``AWS_*`` environment, a profile, an instance role). A storage option that looks
+like a secret (``key``, ``secret``, ``token``, ``password``, ...) or the user-info of a URL
+in any key (``https://user:pw@host``) may only be given as an ``${oc.env:VAR}``
+interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved config before any
+of our code runs, so only the interpolation's text lands there. A literal one is refused
+(ConfigError) and rank 0 scrubs it from the ``.hydra/`` files Hydra already wrote.
+Credentials in URL query strings (presigned URLs) may be literal. Every resolved secret,
+and those in the URLs of the environment the run reads (MLFLOW_TRACKING_URI, ...), are
+redacted from log records, Hydra's files, the config stored in snapshots and sent to
+trackers, tracker run references and error messages.
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ import sys
 import time
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Optional, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote
 
 import fsspec
+import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp.errors import ConfigError
@@ -39,8 +44,6 @@ _SECRET_NAME = re.compile(
     r"|secret|token|passw|credential|private_key|account_key|access_key|api_key|connection_string|sas_",
     re.IGNORECASE,
 )
-# Environment variables whose values must never be logged (the AWS chain's secrets).
-_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
 # Errors that retrying cannot fix: a wrong name, missing permission, missing credentials.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ConfigError,
               ValueError, TypeError, KeyError)
@@ -72,15 +75,45 @@ def filesystem(url: str, options: Optional[Mapping[str, Any]] = None):
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
         # Only the backend: `pip install -e '.[s3]'` would also re-resolve torch (in an image, replace it).
-        hint = (f"{sys.executable} -m pip install 's3fs>=2023.6'" if scheme in ("s3", "s3a")
+        hint = (f"{sys.executable} -m pip install 's3fs>=2024.12' 'aiobotocore>=2.16'" if scheme in ("s3", "s3a")
                 else f"install the fsspec backend for {scheme}://")
-        raise ConfigError(f"cannot open {url}: {exc}: {hint}") from None
+        if scheme in ("http", "https"):
+            hint = f"{sys.executable} -m pip install aiohttp (the http extra), which fsspec's HTTP filesystem needs"
+        raise ConfigError(f"cannot open {redact(url)}: {exc}: {hint}") from None
     except (ValueError, TypeError) as exc:
-        raise ConfigError(f"cannot open {url} with the given storage_options: {redact(str(exc))}") from None
+        raise ConfigError(f"cannot open {redact(url)} with the given storage_options: {redact(str(exc))}") from None
 
 
 def is_local(fs) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def is_http(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"http", "https"}.intersection(protocols))
+
+
+def location(url: str) -> str:
+    """What a URL names, without what only authorises reading it: no password (or, for
+    HTTP, no user-info at all), query or fragment. Keys and names cache entries, so that
+    a presigned URL signed anew, or other credentials, still find the same copy."""
+    if "://" not in url:
+        return url
+    url = _USERINFO.sub(lambda m: f"{m['scheme']}{'' if _is_http_scheme(m['scheme']) else m['user'] + '@'}", url)
+    return url.split("#", 1)[0].split("?", 1)[0]
+
+
+def child_url(url: str, fs, root: str, name: str) -> str:
+    """The URL of `name`, a path that `fs` (opened from `url`, whose path in it is `root`)
+    listed: the filesystem's own unstrip_protocol, unless that drops part of what came
+    before the path in `url` (the host of sftp:// or ftp://, which lives in the filesystem
+    object; a chained cache:: prefix), in which case that part is put back."""
+    unstripped = fs.unstrip_protocol(name)
+    base, root = url.rstrip("/"), root.rstrip("/")
+    head = base[:len(base) - len(root)] if root and base.endswith(root) else ""
+    if head and not unstripped.startswith(head):
+        return head + name
+    return unstripped
 
 
 # Flat key/value stores: an object appears whole with one PUT, "rename" is copy + delete,
@@ -91,6 +124,60 @@ OBJECT_STORE_PROTOCOLS = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"
 def is_object_store(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return bool(OBJECT_STORE_PROTOCOLS.intersection(protocols))
+
+
+def is_s3(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool({"s3", "s3a"}.intersection(protocols)) and hasattr(fs, "call_s3")
+
+
+# ---- conditional writes on S3 (the run lease, run_lock.py) ------------------------------------
+def s3_put_parameters() -> set[str]:
+    """The PutObject parameters the installed botocore can send. If-None-Match and If-Match
+    came with botocore 1.35.74 (aiobotocore 2.16); an older one cannot send them."""
+    import botocore.session
+
+    model = botocore.session.get_session().get_service_model("s3")
+    return set(model.operation_model("PutObject").input_shape.members)
+
+
+def s3_read(fs, path: str) -> tuple[Optional[bytes], Optional[str]]:
+    """An object's bytes and the ETag of exactly those bytes (one GET); (None, None) if absent."""
+    bucket, key, _ = fs.split_path(path)
+
+    async def get() -> tuple[bytes, str]:
+        reply = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = reply["Body"]
+        try:
+            return await body.read(), reply["ETag"]
+        finally:
+            body.close()
+
+    try:
+        return fsspec.asyn.sync(fs.loop, get)
+    except FileNotFoundError:
+        return None, None
+
+
+def s3_put_if(fs, path: str, data: bytes, if_match: Optional[str] = None) -> Optional[str]:
+    """PUT `data` only if the object is absent (``If-None-Match: *``) or, given `if_match`,
+    still has that ETag (``If-Match``). Its new ETag, or None when the condition failed: the
+    server's 412, AWS's 409 for a concurrent conditional write, or (If-Match) no object."""
+    bucket, key, _ = fs.split_path(path)
+    condition = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
+    try:
+        return fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)["ETag"]
+    except FileExistsError:  # s3fs's name for a 412 that names If-None-Match
+        return None
+    except FileNotFoundError:
+        if if_match:
+            return None
+        raise
+    except OSError as exc:
+        status = getattr(exc.__cause__, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status in (409, 412):
+            return None
+        raise
 
 
 # ---- retries ----------------------------------------------------------------------------
@@ -134,52 +221,7 @@ def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Calla
     raise AssertionError("unreachable")
 
 
-# ---- secrets ------------------------------------------------------------------------------
-_known_secrets: set[str] = set()
-
-
-def remember_secrets(values: Iterable[Any]) -> None:
-    """Values to redact wherever this process logs or reports an error."""
-    for value in values:
-        if isinstance(value, str) and len(value) >= 6:
-            _known_secrets.add(value)
-
-
-def _secret_env_values() -> list[str]:
-    return [os.environ[name] for name in _SECRET_ENV if os.environ.get(name)]
-
-
-def redact(text: str) -> str:
-    for secret in sorted({*_known_secrets, *[v for v in _secret_env_values() if len(v) >= 6]}, key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
-    return redact_url_secrets(text)
-
-
-# Query parameters of URLs that carry credentials: presigned S3 (X-Amz-Signature,
-# X-Amz-Credential, X-Amz-Security-Token), GCS (X-Goog-Signature), Azure SAS (sig),
-# and the usual token / key / password parameters.
-_URL_SECRET_PARAM = re.compile(
-    r"(?P<name>[?&;](?:[\w.\-]*(?:signature|credential|token|secret|passw|api[_\-]?key|access[_\-]?key)[\w.\-]*"
-    r"|sig|key|code|auth|password))=(?P<value>[^&#;\s'\"<>]+)",
-    re.IGNORECASE,
-)
-
-
-def redact_url_secrets(text: str) -> str:
-    """`text` with the values of credential-carrying URL query parameters replaced: a
-    presigned URL or a ``?token=`` in data.path is used to read, never shown or stored."""
-    if "=" not in text:
-        return text
-    return _URL_SECRET_PARAM.sub(lambda m: f"{m['name']}={REDACTED}" if m["value"] != REDACTED else m[0], text)
-
-
-def scrub_url_secrets(directories: Iterable[str]) -> None:
-    """Redact URL query secrets from the YAML files Hydra wrote into `directories`
-    (.hydra/config.yaml, overrides.yaml, hydra.yaml; a sweep's multirun.yaml)."""
-    for directory in directories:
-        _rewrite_yaml_files(directory, redact_url_secrets)
-
-
+# ---- local files ---------------------------------------------------------------------------
 def write_local_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
     """`path` appears whole or not at all: `write` fills a temp file in the same directory (a
     rename never crosses filesystems), then fsync, os.replace, and fsync of the directory so
@@ -210,6 +252,180 @@ def fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# ---- secrets ------------------------------------------------------------------------------
+# Environment variables whose values are never shown: the AWS chain's and the trackers' secrets.
+_SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "MLFLOW_TRACKING_PASSWORD",
+               "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
+# Environment variables holding URLs the run (or a library it calls) uses: their credentials are secrets.
+_URL_ENV = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "WANDB_BASE_URL",
+            "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
+# Shorter values are redacted only where they stand in a URL (else "pw" would vanish from every word).
+_MIN_SECRET_LENGTH = 6
+# A URL's user-info: scheme://user:password@ (or scheme://user@, which for HTTP is a token).
+_USERINFO = re.compile(
+    r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^\s/?#@:'\"<>]*)(?::(?P<password>[^\s/?#@'\"<>]*))?@")
+# Query parameters of URLs that carry credentials: presigned S3 (X-Amz-Signature,
+# X-Amz-Credential, X-Amz-Security-Token), GCS (X-Goog-Signature), Azure SAS (sig),
+# and the usual token / key / password parameters.
+_URL_SECRET_PARAM = re.compile(
+    r"(?P<name>[?&;](?:[\w.\-]*(?:signature|credential|token|secret|passw|api[_\-]?key|access[_\-]?key)[\w.\-]*"
+    r"|sig|key|code|auth|password))=(?P<value>[^&#;\s'\"<>]+)",
+    re.IGNORECASE,
+)
+
+
+def _is_http_scheme(scheme: str) -> bool:
+    return scheme.lower().rstrip(":/").rsplit("::", 1)[-1] in ("http", "https")
+
+
+def _userinfo_secret(m: re.Match) -> Optional[str]:
+    """The credential in a user-info match: the password, or a lone HTTP user name (a token)."""
+    if m["password"] is not None:
+        return m["password"]
+    if m["user"] and _is_http_scheme(m["scheme"]):
+        return m["user"]
+    return None
+
+
+def url_credentials(text: str) -> list[str]:
+    """The credentials in the URLs of `text`: user-info passwords (an HTTP user-info
+    whole) and the values of credential query parameters, as written and URL-decoded."""
+    if "://" not in text and "=" not in text:
+        return []
+    found = [_userinfo_secret(m) for m in _USERINFO.finditer(text)]
+    found += [m["value"] for m in _URL_SECRET_PARAM.finditer(text)]
+    values = [v for v in found if v and v != REDACTED]
+    return values + [unquote(v) for v in values if unquote(v) != v]
+
+
+def redact_url_secrets(text: str) -> str:
+    """`text` with the credentials of its URLs replaced: user-info passwords (an HTTP
+    user-info whole), and the values of credential-carrying query parameters (a presigned
+    URL or a ``?token=`` is used to read, never shown or stored)."""
+    if "://" in text:
+        def userinfo(m: re.Match) -> str:
+            secret = _userinfo_secret(m)
+            if not secret or secret == REDACTED:
+                return m[0]
+            return f"{m['scheme']}{m['user']}:{REDACTED}@" if m["password"] is not None else f"{m['scheme']}{REDACTED}@"
+
+        text = _USERINFO.sub(userinfo, text)
+    if "=" in text:
+        text = _URL_SECRET_PARAM.sub(lambda m: f"{m['name']}={REDACTED}" if m["value"] != REDACTED else m[0], text)
+    return text
+
+
+class Secrets:
+    """What this process must never show or store. main() resolves it once, from the config
+    and the environment (resolve_secrets); everything that shows or stores text goes
+    through it: log records (redact_logs), the YAML files Hydra wrote, the config kept in
+    snapshots and sent to trackers (redact_config), tracker run references, error lines."""
+
+    def __init__(self) -> None:
+        self.values: set[str] = set()
+
+    def add(self, values: Iterable[Any]) -> None:
+        for value in values:
+            if isinstance(value, str) and len(value) >= _MIN_SECRET_LENGTH:
+                self.values.add(value)
+
+    def redact(self, text: str) -> str:
+        """`text` with every known secret, every secret of the environment and every URL
+        credential replaced by <redacted>."""
+        environment = [os.environ.get(name) or "" for name in _SECRET_ENV]
+        environment += [v for name in _URL_ENV for v in url_credentials(os.environ.get(name) or "")]
+        for secret in sorted({*self.values, *(v for v in environment if len(v) >= _MIN_SECRET_LENGTH)},
+                             key=len, reverse=True):
+            text = text.replace(secret, REDACTED)
+        return redact_url_secrets(text)
+
+    def redact_config(self, container: Any) -> Any:
+        """A resolved config (plain containers) as it may be stored or sent: secret-looking
+        storage options replaced, every string redacted."""
+        if isinstance(container, dict):
+            return {key: _redact_options(value) if key == "storage_options" else self.redact_config(value)
+                    for key, value in container.items()}
+        if isinstance(container, list):
+            return [self.redact_config(v) for v in container]
+        if isinstance(container, str):
+            return self.redact(container)
+        return container
+
+    def scrub_files(self, directories: Iterable[str]) -> None:
+        """Redact the YAML files Hydra wrote into `directories` (.hydra/config.yaml,
+        overrides.yaml, hydra.yaml; a sweep's multirun.yaml), in place."""
+        import yaml
+
+        def clean(value: Any) -> Any:
+            if isinstance(value, str):
+                return self.redact(value)
+            if isinstance(value, dict):
+                return {clean(k): clean(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [clean(v) for v in value]
+            return value
+
+        def rewrite(text: str) -> str:
+            if self.redact(text) == text:
+                return text
+            return yaml.safe_dump(clean(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
+
+        for directory in directories:
+            _rewrite_yaml_files(directory, rewrite)
+
+
+SECRETS = Secrets()  # this process's; a sweep's points add theirs
+
+
+def remember_secrets(values: Iterable[Any]) -> None:
+    """Values to redact wherever this process shows or stores text."""
+    SECRETS.add(values)
+
+
+def redact(text: str) -> str:
+    return SECRETS.redact(text)
+
+
+def redacted_config(container: Any) -> Any:
+    return SECRETS.redact_config(container)
+
+
+def resolve_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> Secrets:
+    """The one way secrets come in, at the start of every run: refuse those written
+    literally into the config (after removing them from the files Hydra already wrote),
+    learn every resolved one (secret-looking storage options, the credentials of every
+    URL-valued key, of the URLs in the environment the run reads), redact Hydra's files and
+    every log record from then on. Returns the process's Secrets."""
+    hydra_dirs = list(hydra_dirs)
+    redact_logs()
+    refuse_literal_secrets(cfg, hydra_dirs)
+    for key, value in _leaves(cfg, ""):
+        if ".storage_options." in f"{key}." and is_secret_name(key.rsplit(".", 1)[-1]):
+            SECRETS.add([value])
+        if isinstance(value, str):
+            SECRETS.add(url_credentials(value))
+    SECRETS.scrub_files(hydra_dirs)
+    return SECRETS
+
+
+def _leaves(node: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """(dotted key, resolved value) of every leaf of a config; one that cannot be resolved
+    is skipped (its key reports that itself, where it is used)."""
+    if isinstance(node, DictConfig):
+        items = [(f"{path}.{k}" if path else str(k), k) for k in node.keys()]
+    elif isinstance(node, ListConfig):
+        items = [(f"{path}[{i}]", i) for i in range(len(node))]
+    else:
+        yield path, node
+        return
+    for key, index in items:
+        try:
+            value = node[index]
+        except OmegaConfBaseException:
+            continue
+        yield from _leaves(value, key)
 
 
 def _rewrite_yaml_files(directory: str, rewrite: Callable[[str], str]) -> None:
@@ -247,21 +463,18 @@ def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
             yield from _secret_leaves(v, f"{path}[{i}]")
 
 
-def _url_password(url: Any) -> Optional[str]:
-    if not isinstance(url, str) or "://" not in url:
-        return None
-    try:
-        return urlsplit(url.split("::")[-1]).password
-    except ValueError:
-        return None
+def _is_interpolation(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().startswith("${")
 
 
 def literal_secrets(cfg: DictConfig) -> list[tuple[str, str]]:
     """(config key, value) of secrets written literally into the config: secret-looking
-    storage options that are not ``${oc.env:...}`` interpolations, and passwords in URLs."""
+    storage options that are not ``${oc.env:...}`` interpolations, and the user-info
+    credentials of a URL in any key (an interpolated password, ``https://u:${oc.env:PW}@h``,
+    is not literal). Credential query values may be literal: they are redacted instead."""
     found = []
     for group in ("trainer", "data"):
-        options = cfg[group].get("storage_options")
+        options = cfg[group].get("storage_options") if group in cfg else None
         if options is None:
             continue
         raw = OmegaConf.to_container(options, resolve=False)
@@ -269,12 +482,24 @@ def literal_secrets(cfg: DictConfig) -> list[tuple[str, str]]:
             is_interpolation = isinstance(value, str) and re.fullmatch(r"\$\{oc\.env:[^}]+\}", value.strip())
             if value not in (None, "", False, True) and not is_interpolation:
                 found.append((key, str(value)))
-    for key in ("trainer.snapshot_path", "data.path", "data.download_url"):
-        group, name = key.split(".")
-        password = _url_password(OmegaConf.to_container(cfg[group], resolve=False).get(name))
-        if password:
-            found.append((key, password))
+    for key, value in _raw_leaves(OmegaConf.to_container(cfg, resolve=False), ""):
+        if isinstance(value, str) and "://" in value and not _is_interpolation(value):
+            for m in _USERINFO.finditer(value):
+                secret = _userinfo_secret(m)
+                if secret and "${" not in secret and secret != REDACTED:
+                    found.append((key, secret))
     return found
+
+
+def _raw_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _raw_leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _raw_leaves(v, f"{path}[{i}]")
+    else:
+        yield path, value
 
 
 def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
@@ -283,56 +508,16 @@ def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
     found = literal_secrets(cfg)
     if not found:
         return
-    remember_secrets(value for _, value in found)
-    for directory in hydra_dirs:
-        scrub_yaml_files(directory, [value for _, value in found])
-    keys = ", ".join(key for key, _ in found)
+    SECRETS.add(value for _, value in found)
+    SECRETS.scrub_files(hydra_dirs)
+    keys = ", ".join(dict.fromkeys(key for key, _ in found))
     raise ConfigError(
         f"{keys}: secrets must not be written into the config (Hydra saves it to .hydra/config.yaml and the "
         "snapshot stores it). Use the standard credential chain (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-        "AWS_PROFILE, an instance role), or pass the value from the environment, e.g. "
-        "'+trainer.storage_options.secret=${oc.env:MY_SECRET}'"
+        "AWS_PROFILE, an instance role; MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD), or pass the value "
+        "from the environment, e.g. '+trainer.storage_options.secret=${oc.env:MY_SECRET}' or "
+        "'logger.mlflow.tracking_uri=${oc.env:MY_TRACKING_URI}'"
     )
-
-
-def scrub_yaml_files(directory: str, secrets: list[str]) -> None:
-    """Replace every occurrence of `secrets` in the YAML files of `directory`, in place."""
-    import yaml
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, str):
-            for secret in secrets:
-                value = value.replace(secret, REDACTED)
-            return value
-        if isinstance(value, dict):
-            return {clean(k): clean(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    def rewrite(text: str) -> str:
-        if not any(secret in text for secret in secrets):
-            return text
-        return yaml.safe_dump(clean(yaml.safe_load(text)), sort_keys=False, allow_unicode=True)
-
-    _rewrite_yaml_files(directory, rewrite)
-
-
-def redacted_config(container: Any) -> Any:
-    """A resolved config (plain containers) with secret-looking storage options replaced."""
-    if isinstance(container, dict):
-        out = {}
-        for key, value in container.items():
-            if key == "storage_options":
-                out[key] = _redact_options(value)
-            else:
-                out[key] = redacted_config(value)
-        return out
-    if isinstance(container, list):
-        return [redacted_config(v) for v in container]
-    if isinstance(container, str):
-        return redact_url_secrets(container)
-    return container
 
 
 def _redact_options(value: Any) -> Any:
@@ -341,7 +526,7 @@ def _redact_options(value: Any) -> Any:
                 else _redact_options(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_redact_options(v) for v in value]
-    return value
+    return SECRETS.redact(value) if isinstance(value, str) else value
 
 
 def secret_option_values(options: Mapping[str, Any]) -> list[Any]:
@@ -349,36 +534,52 @@ def secret_option_values(options: Mapping[str, Any]) -> list[Any]:
     return [v for _, v in _secret_leaves(dict(options), "")]
 
 
+def _redact_record(record: logging.LogRecord) -> None:
+    """Redact a record's message (and its traceback) in place; a record whose message
+    cannot be formatted (a malformed log call anywhere) is left for logging to report."""
+    try:
+        message = record.getMessage()
+    except Exception:
+        return
+    cleaned = redact(message)
+    if cleaned != message:
+        record.msg, record.args = cleaned, ()
+    if record.exc_info and not record.exc_text:
+        try:
+            record.exc_text = redact(logging.Formatter().formatException(record.exc_info))
+        except Exception:
+            pass
+
+
 class RedactingFilter(logging.Filter):
-    """Removes known secret values from every record a handler emits."""
+    """Removes known secrets from every record a handler emits. Never raises: a filter
+    that raised would turn one malformed log call in any library into an exception in the
+    training loop."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        cleaned = redact(message)
-        if cleaned != message:
-            record.msg, record.args = cleaned, ()
+        try:
+            _redact_record(record)
+        except Exception:
+            pass
         return True
 
 
 def redact_logs() -> None:
     """Install the redacting filter on every handler of the root logger (Hydra's console
-    and main.log handlers), and redact URL query secrets in every record as it is made
-    (Hydra's own lines too, whatever handlers it configures later)."""
+    and main.log handlers), and redact every record as it is made (Hydra's own lines and
+    libraries with handlers of their own too, whatever handlers are configured later)."""
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, RedactingFilter) for f in handler.filters):
             handler.addFilter(RedactingFilter())
     factory = logging.getLogRecordFactory()
-    if not getattr(factory, "redacts_urls", False):
+    if not getattr(factory, "redacts", False):
         def make_record(*args, **kwargs) -> logging.LogRecord:
             record = factory(*args, **kwargs)
             try:
-                message = record.getMessage()
-            except Exception:  # a malformed record: leave it to logging to report
-                return record
-            cleaned = redact_url_secrets(message)
-            if cleaned != message:
-                record.msg, record.args = cleaned, ()
+                _redact_record(record)
+            except Exception:
+                pass
             return record
 
-        make_record.redacts_urls = True  # type: ignore[attr-defined]
+        make_record.redacts = True  # type: ignore[attr-defined]
         logging.setLogRecordFactory(make_record)

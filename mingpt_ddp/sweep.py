@@ -26,8 +26,10 @@ from mingpt_ddp.runs import RESULT_FILE, distinguishing_overrides, read_metrics,
 
 log = logging.getLogger(__name__)
 
+# val_bpb: the validation loss in bits per byte of text, which compares points with
+# different tokenizers (val_loss is per token of each point's own tokenizer).
 COLUMNS = ["point", "overrides", "status", "final_train_loss", "final_val_loss", "best_val_loss",
-           "tokens_per_s", "wall_s", "snapshot", "error"]
+           "final_val_bpb", "tokens_per_s", "wall_s", "snapshot", "error"]
 
 
 def write_result(run_dir: str, record: dict[str, Any]) -> None:
@@ -44,6 +46,7 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
     metrics = read_metrics(run_dir)
     train = [m["train_loss"] for m in metrics if "train_loss" in m]
     val = [m["val_loss"] for m in metrics if m.get("val_loss") is not None]
+    bpb = [m["val_bpb"] for m in metrics if m.get("val_bpb") is not None]
     speed = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
     return {
         "point": run_dir.name,
@@ -52,6 +55,7 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
         "final_train_loss": train[-1] if train else None,
         "final_val_loss": val[-1] if val else None,
         "best_val_loss": min(val) if val else None,
+        "final_val_bpb": bpb[-1] if bpb else None,
         "tokens_per_s": statistics.median(speed) if speed else None,
         "wall_s": result.get("wall_s"),
         "snapshot": result.get("snapshot"),
@@ -60,7 +64,7 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
 
 
 _FORMATS = {"final_train_loss": "{:.4f}", "final_val_loss": "{:.4f}", "best_val_loss": "{:.4f}",
-            "tokens_per_s": "{:,.0f}", "wall_s": "{:.1f}"}
+            "final_val_bpb": "{:.4f}", "tokens_per_s": "{:,.0f}", "wall_s": "{:.1f}"}
 
 
 def _fmt(column: str, value: Any) -> str:

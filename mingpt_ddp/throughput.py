@@ -1,4 +1,5 @@
-"""Timing training steps only: the seconds that tokens/s and MFU are computed from."""
+"""Timing a window of training: its steps alone (what tokens/s and MFU are computed from) and
+its whole wall time (evaluations and saves included: what a run's length is planned from)."""
 from __future__ import annotations
 
 import time
@@ -16,7 +17,8 @@ def device_sync(device: torch.device) -> Callable[[], None]:
 
 class StepTimer:
     """Seconds spent training since the last `take()`; evaluations, saves and anything else
-    between `pause()` and `resume()` are left out.
+    between `pause()` and `resume()` are left out (`take_window()` also gives the window's
+    wall seconds, which keep them).
 
     GPU work is asynchronous: every clock read follows a device sync, so a window measures
     what the device did rather than how fast the host queued it. The syncs happen only at
@@ -29,6 +31,7 @@ class StepTimer:
         self._clock = clock or time.perf_counter
         self._seconds = 0.0
         self._since: Optional[float] = None
+        self._window_start: Optional[float] = None
 
     def _now(self) -> float:
         self._sync()
@@ -36,6 +39,8 @@ class StepTimer:
 
     def resume(self) -> None:
         self._since = self._now()
+        if self._window_start is None:
+            self._window_start = self._since
 
     def pause(self) -> None:
         if self._since is not None:
@@ -44,9 +49,15 @@ class StepTimer:
 
     def take(self) -> float:
         """The training seconds of the window just ended; the next window starts now."""
+        return self.take_window()[0]
+
+    def take_window(self) -> tuple[float, float]:
+        """(training seconds, wall seconds) of the window just ended; the next one starts now."""
+        now = self._now()
         if self._since is not None:
-            now = self._now()
             self._seconds += now - self._since
             self._since = now
+        wall = now - self._window_start if self._window_start is not None else 0.0
+        self._window_start = now
         seconds, self._seconds = self._seconds, 0.0
-        return seconds
+        return seconds, wall

@@ -7,24 +7,35 @@ among several are skipped with a warning; a corpus with no text at all is an err
 
 One process per node (distributed.on_main_then_share(..., once_per_node=True)) fetches
 remote files into `data.cache_dir`, then streams the text twice in bounded chunks: the
-first pass finds the vocabulary, the second writes the ids (uint8 for at most 256
-characters, else uint16) to a token file in `<cache_dir>/tokens/`, written atomically and
-named by a hash of the sources (names, sizes, modification times or remote versions) and
-the vocabulary. A later run on the same sources reuses it without reading the text; a
-changed source makes a new one (and the stale files of the same sources are removed).
+first pass finds the vocabulary and a hash of the text, the second writes the ids (uint8
+for at most 256 characters, else uint16) to a token file in `<cache_dir>/tokens/`,
+written atomically. The cache is keyed by what decides its content, never by names alone:
+
+- an index entry (``<key>.json``) per set of sources, keyed by what identifies each
+  source's content on this node: a local file's path, size, modification and change times
+  and inode (the change time cannot be set back, so a copy with preserved times is still
+  another file); a remote file's SHA-256, taken while copying it. It records the text's
+  hash and vocabulary, so a later run on unchanged files reads nothing;
+- a token file per text and encoding: ``<text hash>-<encoding hash>.<dtype>``. Nodes
+  with their own copies of one text share it, other text never does.
+
+Every use touches the files it used; only files nobody has used for UNUSED_FOR_S are
+removed, so a node never deletes what another node sharing the cache is about to map.
 Every rank then memory-maps the token file, so a node keeps one copy in its page cache.
 """
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import json
 import logging
 import os
 import platform
-import shutil
+import re
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -33,16 +44,21 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 import torch
 
-from mingpt_ddp import distributed, storage
+from mingpt_ddp import distributed, documents, encoding, storage, tokenizer
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # part of every cache key: a change of the file layout makes new files
+FORMAT = 2  # part of every cache key: a change of the file layout makes new files
 CHUNK_BYTES = 2 << 20  # text read per step while encoding: memory stays tens of MB
 SEPARATOR = "\n"  # between consecutive files of a directory or glob
 MAX_VOCAB = 1 << 16  # ids are uint16 at most
 ID_DTYPES = (np.uint8, np.uint16)
+# A cache file nobody has used for this long is removed. Far longer than any start-up, so
+# a file another node has just made or reused (and touched) is never taken from under it.
+UNUSED_FOR_S = 24 * 3600
+# What an HTTP server says about a file's content; without any, a copy cannot be trusted.
+HTTP_VALIDATORS = ("ETag", "Content-MD5", "Digest", "Last-Modified")
 
 
 # ---- where the text comes from ------------------------------------------------------------
@@ -62,22 +78,27 @@ def cache_root(cache_dir: Optional[str]) -> str:
     return os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
 
 
-def local_copy_path(path: str, cache_dir: Optional[str]) -> str:
-    """Where this node reads `path` from: itself if local, else its copy in the cache,
-    named by a hash of the URL (the same name on every rank and node)."""
-    if not is_remote(path):
-        return path
-    name = path.rstrip("/").rsplit("/", 1)[-1] or "data"
-    digest = hashlib.sha256(path.encode()).hexdigest()[:16]
+def local_copy_path(url: str, cache_dir: Optional[str]) -> str:
+    """Where this node reads `url` from: itself if local, else its copy in the cache, named
+    by a hash of the URL's location (without credentials, query or fragment: a presigned URL
+    signed anew is the same object) and its file name (the same on every rank and node)."""
+    if not is_remote(url):
+        return url
+    location = storage.location(url)
+    name = re.sub(r"[^\w.\-]", "_", location.rstrip("/").rsplit("/", 1)[-1]) or "data"
+    digest = hashlib.sha256(location.encode()).hexdigest()[:16]
     return os.path.join(cache_root(cache_dir), f"{digest}-{name}")
 
 
 def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
-    """Fetch `url` into `dest` atomically: a reader sees the whole file or none."""
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none. On failure
+    nothing is left behind, not even the directories made for it."""
     directory = os.path.dirname(os.path.abspath(dest))
+    made = _missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
-    log.info("downloading %s -> %s", url, dest)
+    log.info("downloading %s -> %s", storage.redact(url), dest)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
+    done = False
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
             while chunk := resp.read(1 << 20):
@@ -85,72 +106,108 @@ def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, dest)
-    except OSError as exc:
+        done = True
+    except (OSError, ValueError) as exc:
         raise ConfigError(
-            f"data file {dest} is missing and downloading it from {url} failed ({exc}): "
-            f"put a UTF-8 text file at {dest}, or set data.path=<your text file>"
+            f"data file {dest} is missing and downloading it from {storage.redact(url)} failed "
+            f"({storage.describe(exc)}): put a UTF-8 text file at {dest}, or set data.path=<your text file>"
         ) from None
     finally:
-        if os.path.exists(tmp):
+        if not done:
             os.unlink(tmp)
+            for path in made:  # deepest first
+                try:
+                    os.rmdir(path)
+                except OSError:
+                    break
+
+
+def _missing_directories(directory: str) -> list[str]:
+    """`directory` and those of its parents that do not exist yet, deepest first."""
+    missing = []
+    while directory and not os.path.exists(directory) and directory != os.path.dirname(directory):
+        missing.append(directory)
+        directory = os.path.dirname(directory)
+    return missing
+
+
+def remote_version(fs, info: Mapping[str, Any]) -> Optional[str]:
+    """What tells whether a remote file changed, from its listing `info`, or None when
+    nothing does. HTTP: the server's ETag, Last-Modified or checksum headers (fsspec's own
+    ``ukey`` for HTTP is the URL, which stays the same when the content changes and holds
+    the query's secrets). Elsewhere what fsspec's ``ukey`` hashes: the whole info (size,
+    ETag, modification time, version id)."""
+    if storage.is_http(fs):
+        validators = {key: info[key] for key in HTTP_VALIDATORS if info.get(key)}
+        return _digest([info.get("size"), validators]) if validators else None
+    return hashlib.sha256(str(dict(info)).encode()).hexdigest()
 
 
 def fetch_to_cache(url: str, storage_options: Optional[Mapping[str, Any]], local: str, retry_minutes: float) -> str:
-    """Copy remote `url` to `local` unless the copy there is of the same remote version
-    (fsspec's ``ukey``: size, ETag, modification time); return that version. Atomic: a
-    temp file in the cache directory, then os.replace; a `.source` file next to it records
-    the version."""
+    """Copy remote `url` to `local` unless the copy there is of the same remote version;
+    return the copy's SHA-256. Atomic: a temp file in the cache directory, then os.replace;
+    a `.source` file next to it records the URL (redacted), the version and the hash."""
     fs, remote = storage.filesystem(url, storage_options)
-    stamp = local + ".source"
+    shown, stamp = storage.redact(url), local + ".source"
 
     def fetch() -> str:
-        if fs.isdir(remote):
-            raise IsADirectoryError(url)
-        version = fs.ukey(remote)
-        if os.path.exists(local) and os.path.exists(stamp):
-            with open(stamp, encoding="utf-8") as f:
-                if f.read() == version:
-                    log.info("data %s: using this node's cached copy %s", url, local)
-                    return version
+        info = fs.info(remote)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(shown)
+        version = remote_version(fs, info)
+        kept = _read_json(stamp) or {}
+        if version is not None and kept.get("version") == version and _size(local) == kept.get("size"):
+            log.info("data %s: using this node's cached copy %s", shown, local)
+            return kept["sha256"]
+        if version is None:
+            log.info("data %s: the server sends no ETag or Last-Modified, so the copy is fetched at every start", shown)
         directory = os.path.dirname(local)
         os.makedirs(directory, exist_ok=True)
-        log.info("data %s: copying to this node's cache %s", url, local)
+        log.info("data %s: copying to this node's cache %s", shown, local)
+        digest, size = hashlib.sha256(), 0
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".fetch-")
         try:
-            with os.fdopen(fd, "wb") as out, fs.open(remote, "rb") as src:
-                shutil.copyfileobj(src, out, 8 << 20)
+            # HTTP streams (one GET): a server need not support range requests.
+            with os.fdopen(fd, "wb") as out, fs.open(remote, "rb", **({"block_size": 0} if storage.is_http(fs)
+                                                                        else {})) as src:
+                while chunk := src.read(8 << 20):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, local)
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(version)
-            os.replace(tmp, stamp)
+            source = {"url": shown, "version": version, "size": size, "sha256": digest.hexdigest()}
+            storage.write_local_atomically(stamp, lambda out: out.write(json.dumps(source).encode()))
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return version
+        return source["sha256"]
 
     fs.invalidate_cache(remote)
     try:
-        return storage.retry_transient(fetch, f"copying data {url}", retry_minutes)
+        return storage.retry_transient(fetch, f"copying data {shown}", retry_minutes)
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(_fetch_error(url, local, exc, retry_minutes)) from None
+        raise ConfigError(_fetch_error(shown, local, exc, retry_minutes)) from None
 
 
 def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float) -> str:
+    """`url` is as shown (redacted)."""
     cache_dir = os.path.dirname(local)
+    status = getattr(exc.__cause__, "status", None)  # fsspec's HTTP filesystem: the response behind the error
     if local and isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
         return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
                 "set data.cache_dir to a writable local directory")
+    if status in (401, 403) or isinstance(exc, PermissionError):
+        why = f"HTTP {status}" if status else storage.describe(exc)
+        return (f"cannot read data file {url} ({why}): check the credentials (AWS_* environment, AWS_PROFILE, "
+                "instance role, data.storage_options; a presigned URL may have expired)")
     if isinstance(exc, FileNotFoundError):
         return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
     if isinstance(exc, IsADirectoryError):
         return f"data.path={url} is a directory: point it at a text file"
-    if isinstance(exc, PermissionError):
-        return (f"cannot read data file {url} ({storage.describe(exc)}): check the credentials (AWS_* environment, "
-                "AWS_PROFILE, instance role) and data.storage_options")
     return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
             f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
             "credentials")
@@ -166,64 +223,67 @@ def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[M
         download(url, path)
 
 
-def _visible_files(names: list[str], isfile) -> list[str]:
-    return sorted(n for n in names if not os.path.basename(n.rstrip("/")).startswith(".") and isfile(n))
+def _visible(name: str) -> bool:
+    return not os.path.basename(storage.location(name).rstrip("/")).startswith(".")
 
 
 def list_files(path: str, storage_options: Optional[Mapping[str, Any]], retry_minutes: float) -> list[str]:
-    """The files `path` names, in sorted order: itself, a directory's files, or a glob's."""
+    """The files `path` names, in sorted order: itself, a directory's files, or a glob's
+    (URLs as the filesystem can open them again, credentials included)."""
     if not is_remote(path):
         local = os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
         if os.path.isfile(local):
             return [local]
         if os.path.isdir(local):
-            files = _visible_files([os.path.join(local, n) for n in os.listdir(local)], os.path.isfile)
+            files = sorted(n for n in (os.path.join(local, n) for n in os.listdir(local))
+                           if _visible(n) and os.path.isfile(n))
             what = "directory"
         elif glob.has_magic(local):
-            files = _visible_files(glob.glob(local), os.path.isfile)
+            files = sorted(n for n in glob.glob(local) if _visible(n) and os.path.isfile(n))
             what = "glob"
         else:
-            raise ConfigError(f"data file not found: {path}: set data.path=<a UTF-8 text file, directory, glob or URL>")
+            raise ConfigError(f"data file not found: {path}: check data.path (a UTF-8 text file, directory, glob "
+                              "or URL); a missing file is downloaded only from a data.download_url given with it")
         if not files:
             raise ConfigError(f"data.path={path}: the {what} matches no file: point data.path at your text files")
         return files
 
     fs, remote = storage.filesystem(path, storage_options)
-    protocol = path.split("://", 1)[0]
+    shown = storage.redact(path)
 
     def listing() -> tuple[str, list[str]]:
         fs.invalidate_cache()
-        if glob.has_magic(remote):
+        if glob.has_magic(storage.location(path)):  # not the query: "?" there is no wildcard
             return "glob", [p for p, info in fs.glob(remote, detail=True).items() if info.get("type") == "file"]
-        if fs.isfile(remote):
+        if fs.info(remote).get("type") != "directory":
             return "file", [remote]
-        if fs.isdir(remote):
-            return "directory", [info["name"] for info in fs.ls(remote, detail=True) if info.get("type") == "file"]
-        raise FileNotFoundError(path)
+        return "directory", [info["name"] for info in fs.ls(remote, detail=True) if info.get("type") == "file"]
 
     try:
-        what, names = storage.retry_transient(listing, f"listing data {path}", retry_minutes)
+        what, names = storage.retry_transient(listing, f"listing data {shown}", retry_minutes)
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(_fetch_error(path, "", exc, retry_minutes)) from None
-    files = _visible_files([f"{protocol}://{n}" for n in names], lambda _: True)
+        raise ConfigError(_fetch_error(shown, "", exc, retry_minutes)) from None
+    files = sorted((storage.child_url(path, fs, remote, n) for n in names if _visible(n)), key=storage.location)
     if not files:
-        raise ConfigError(f"data.path={path}: the {what} matches no file: point data.path at your text files")
+        raise ConfigError(f"data.path={shown}: the {what} matches no file: point data.path at your text files")
     return files
 
 
 @dataclass(frozen=True)
 class Source:
-    name: str  # as the user named it (path or URL): messages and the cache key
+    name: str  # as shown and stored: the path, or the URL with its credentials redacted
     local: str  # where this node reads it
     size: int
-    version: str  # modification time (ns) of a local file, the remote version (ETag...) of a URL
+    # What the cache knows this file's content by: for a local file its stat (path, size,
+    # mtime, ctime, inode), for a remote file the SHA-256 of this node's copy.
+    identity: tuple
 
 
-def _stat_source(name: str, local: str, version: Optional[str] = None) -> Source:
-    st = os.stat(local)
-    return Source(name, local, st.st_size, version or str(st.st_mtime_ns))
+def _local_identity(path: str) -> tuple:
+    st = os.stat(path)
+    return ("file", path, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def resolve_sources(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
@@ -232,21 +292,23 @@ def resolve_sources(path: str, download_url: Optional[str], storage_options: Opt
     if not is_remote(path) and download_url and not os.path.exists(path) and not glob.has_magic(path):
         download(download_url, path)
     sources = []
-    for name in list_files(path, storage_options, retry_minutes):
-        if is_remote(name):
-            local = local_copy_path(name, cache_dir)
-            version = fetch_to_cache(name, storage_options, local, retry_minutes)
-            sources.append(_stat_source(name, local, version))
+    for url in list_files(path, storage_options, retry_minutes):
+        if is_remote(url):
+            local = local_copy_path(url, cache_dir)
+            sha256 = fetch_to_cache(url, storage_options, local, retry_minutes)
+            sources.append(Source(storage.redact(url), local, os.path.getsize(local), ("sha256", sha256)))
         else:
             try:
-                sources.append(_stat_source(name, name))
+                identity = _local_identity(url)
             except PermissionError as exc:
-                raise ConfigError(f"cannot read data file {name}: {exc}") from None
+                raise ConfigError(f"cannot read data file {url}: {exc}") from None
+            sources.append(Source(url, url, identity[2], identity))
     text = [s for s in sources if s.size > 0]
     if not text:
-        raise ConfigError(f"data file {path} is empty: put training text in it or set data.path"
+        shown = storage.redact(path)
+        raise ConfigError(f"data file {shown} is empty: put training text in it or set data.path"
                           if len(sources) == 1 else
-                          f"every file data.path={path} matches is empty: put training text in them or set data.path")
+                          f"every file data.path={shown} matches is empty: put training text in them or set data.path")
     for s in sources:
         if s.size == 0:
             log.warning("data file %s is empty: skipped", s.name)
@@ -303,15 +365,28 @@ def code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
 
 
-def find_characters(sources: list[Source]) -> tuple[str, int]:
-    """First pass: (the sorted distinct characters, the number of characters). Bytes
-    already known are deleted with bytes.translate (C speed); only what is left, usually
-    nothing or a few non-ASCII characters, is looked at further."""
+@dataclass(frozen=True)
+class TextSummary:
+    """What the first pass learns about the corpus."""
+
+    chars: str  # its sorted distinct characters
+    length: int  # its number of characters
+    sha256: str  # of its text (the files joined by SEPARATOR): what decides the token file
+
+
+def find_characters(sources: list[Source]) -> TextSummary:
+    """First pass: the characters, their count and the text's hash. Bytes already known are
+    deleted with bytes.translate (C speed); only what is left, usually nothing or a few
+    non-ASCII characters, is looked at further."""
     seen_ascii = bytearray()
     seen_other: set[str] = set()
     count = 0
-    for source in sources:
+    text_hash = hashlib.sha256()
+    for i, source in enumerate(sources):
+        if i:
+            text_hash.update(SEPARATOR.encode())
         for data, text in text_chunks(source):
+            text_hash.update(data)
             count += len(data) if text is None else len(text)
             new = data.translate(None, seen_ascii)
             if text is not None:
@@ -323,7 +398,7 @@ def find_characters(sources: list[Source]) -> tuple[str, int]:
     if len(sources) > 1:
         seen_other.add(SEPARATOR)
         count += len(sources) - 1
-    return "".join(sorted(seen_other.union(map(chr, seen_ascii)))), count
+    return TextSummary("".join(sorted(seen_other.union(map(chr, seen_ascii)))), count, text_hash.hexdigest())
 
 
 def id_dtype(vocab_size: int, what: str) -> np.dtype:
@@ -364,13 +439,18 @@ def write_ids(sources: list[Source], chars: str, out) -> int:
 class TokenFile:
     """What every rank needs to map this node's token file (shared from rank 0)."""
 
-    name: str  # file name inside <cache_dir>/tokens
+    name: str  # file name inside `directory`
     chars: str  # the vocabulary the ids index
     length: int  # tokens
     dtype: str
-    corpus: str  # data.path, for messages
+    corpus: str  # data.path as shown (credentials redacted), for messages
     corpus_bytes: int
     encode_s: Optional[float]  # None when an existing token file was reused
+    directory: str = ""  # <cache_dir>/tokens as the process that made it resolved it
+    text_sha256: str = ""  # of the text: nodes must agree on it
+    tokenizer: Optional[str] = None  # bpe/gpt2: the tokenizer's file in <cache_dir>/tokens (tokenizer.to_dict as JSON)
+    train_tokens: Optional[int] = None  # bpe/gpt2: tokens before the split (None: CharCorpus splits by val_fraction)
+    fingerprint: Optional[str] = None  # bpe/gpt2: tokenizer.fingerprint of the tokenizer
 
 
 def tokens_dir(cache_dir: Optional[str]) -> str:
@@ -379,6 +459,18 @@ def tokens_dir(cache_dir: Optional[str]) -> str:
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def index_key(sources: list[Source]) -> str:
+    """The index entry's name: what identifies the sources' content on this node."""
+    return _digest({"format": FORMAT, "sources": [list(s.identity) for s in sources]})
+
+
+def token_file_name(text_sha256: str, chars: str, dtype: np.dtype) -> str:
+    """A token file is decided by the text and its encoding (here: the characters the ids
+    index; a tokenizer would add its own name and version to `encoding`)."""
+    encoding = {"format": FORMAT, "chars": chars}
+    return f"{text_sha256[:32]}-{_digest(encoding)}.{dtype.name}"
 
 
 def _check_writable(directory: str) -> None:
@@ -395,104 +487,358 @@ def _check_writable(directory: str) -> None:
 def _unchanged(sources: list[Source]) -> None:
     for s in sources:
         try:
-            now = _stat_source(s.name, s.local, s.version if s.name != s.local else None)
+            same = (_local_identity(s.local) == s.identity if s.identity[0] == "file"
+                    else os.path.getsize(s.local) == s.size)
         except OSError:
             raise _changed(s) from None
-        if (now.size, now.version) != (s.size, s.version):
+        if not same:
             raise _changed(s)
 
 
+@dataclass(frozen=True)
+class Tokenization:
+    """How the corpus becomes ids (data.tokenizer and the keys that decide it)."""
+
+    kind: str = "char"
+    vocab_size: int = 4096  # bpe
+    train_chars: int = 100_000_000  # bpe: at most this much of the training split trains it
+    text_column: str = "text"  # .parquet / .jsonl files
+    val_fraction: float = 0.1  # bpe/gpt2: where the split falls decides the BPE and the ids
+    state: Optional[Mapping[str, Any]] = None  # a snapshot's tokenizer (tokenizer.to_dict): encode with exactly it
+    download: bool = False  # gpt2: fetch GPT-2's BPE file into tiktoken's cache when missing
+
+
+CHARS = Tokenization()
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _size(path: str) -> Optional[int]:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _touch(path: str) -> None:
+    """Mark a cache file as used now (what keeps it from removal)."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
 def prepare(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
-            cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None) -> TokenFile:
+            cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None,
+            tokenization: Tokenization = CHARS) -> TokenFile:
     """This node's token file for `path`, encoded with `vocab` (default: the text's own
-    characters); made unless an identical one exists. Run by one process per node."""
-    sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
+    characters) or as `tokenization` says; made unless an identical one exists. Run by one
+    process per node; on a cache_dir all nodes share, one node makes it and the others
+    wait for it (shared_cache_lock)."""
     directory = tokens_dir(cache_dir)
     _check_writable(directory)
-    names = _digest([s.name for s in sources])
-    key = f"{names}-{_digest([FORMAT, [(s.name, s.size, s.version) for s in sources]])}"
+    with shared_cache_lock(directory, storage.redact(path)):
+        sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
+        if tokenization.kind == "char" and all(documents.file_format(s.name) == documents.TEXT for s in sources):
+            return _prepare_characters(path, sources, directory, vocab)
+        return _prepare_documents(storage.redact(path), sources, directory, tokenization, vocab)
+
+
+def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
+    """Plain text files as characters: two fast passes over the bytes."""
+    shown = storage.redact(path)
     corpus_bytes = sum(s.size for s in sources)
     started = time.perf_counter()
 
-    meta_path = os.path.join(directory, key + ".json")
-    meta = None
-    if os.path.exists(meta_path):
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    if meta is None:
-        log.info("data %s: reading %d file(s), %.1f MB, for the vocabulary", path, len(sources), corpus_bytes / 1e6)
-        text_chars, length = find_characters(sources)
+    index_path = os.path.join(directory, index_key(sources) + ".json")
+    entry = _read_json(index_path)
+    if entry is None or entry.get("format") != FORMAT:
+        log.info("data %s: reading %d file(s), %.1f MB, for the vocabulary", shown, len(sources), corpus_bytes / 1e6)
+        summary = find_characters(sources)
         _unchanged(sources)
-        meta = {"format": FORMAT, "chars": text_chars, "length": length,
-                "sources": [[s.name, s.size, s.version] for s in sources]}
-        storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
-    chars = vocab if vocab is not None else meta["chars"]
-    outside = sorted(set(meta["chars"]) - set(chars))
+        entry = {"format": FORMAT, "text_sha256": summary.sha256, "chars": summary.chars, "length": summary.length,
+                 "sources": [[s.name, s.size] for s in sources]}
+        storage.write_local_atomically(index_path, lambda out: out.write(json.dumps(entry, ensure_ascii=False).encode()))
+    else:
+        _touch(index_path)
+    chars = vocab if vocab is not None else entry["chars"]
+    outside = sorted(set(entry["chars"]) - set(chars))
     if outside:
-        raise ConfigError(f"data.path={path} has characters outside the snapshot's vocabulary: {''.join(outside)!r}: "
+        raise ConfigError(f"data.path={shown} has characters outside the snapshot's vocabulary: {''.join(outside)!r}: "
                           "resume with the text it was trained on, or start a new run")
-    dtype = id_dtype(len(chars), f"data.path={path}")
-    name = f"{key}-{_digest(chars)}.{dtype.name}"
+    dtype = id_dtype(len(chars), f"data.path={shown}")
+    name = token_file_name(entry["text_sha256"], chars, dtype)
     token_path = os.path.join(directory, name)
-    expected = meta["length"] * dtype.itemsize
     encode_s = None
-    if os.path.exists(token_path) and os.path.getsize(token_path) == expected:
-        log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{meta['length']:,}")
+    if _size(token_path) == entry["length"] * dtype.itemsize:
+        _touch(token_path)
+        log.info("data %s: using the token file %s (%s tokens)", shown, token_path, f"{entry['length']:,}")
     else:
         written = []
         storage.write_local_atomically(token_path, lambda out: written.append(write_ids(sources, chars, out)))
-        if written[0] != meta["length"]:
-            os.unlink(token_path)
-            raise ConfigError(f"data.path={path} changed while it was being encoded: start again once it is stable")
         try:
+            if written[0] != entry["length"]:
+                raise ConfigError(f"data.path={shown} changed while it was being encoded: start again once it is "
+                                  "stable")
             _unchanged(sources)
         except ConfigError:
             os.unlink(token_path)
             raise
         encode_s = time.perf_counter() - started
-        log.info("data %s: encoded %.1f MB into this node's token cache %s in %.1f s (%.0f MB/s)", path,
+        log.info("data %s: encoded %.1f MB into this node's token cache %s in %.1f s (%.0f MB/s)", shown,
                  corpus_bytes / 1e6, token_path, encode_s, corpus_bytes / 1e6 / max(encode_s, 1e-9))
-    _remove_stale(directory, names, key)
-    return TokenFile(name, chars, meta["length"], dtype.name, path, corpus_bytes, encode_s)
+    remove_unused(directory)
+    return TokenFile(name, chars, entry["length"], dtype.name, shown, corpus_bytes, encode_s, directory,
+                     entry["text_sha256"])
 
 
-def _remove_stale(directory: str, names: str, key: str) -> None:
-    """Token files of earlier versions of the same sources (processes still mapping one keep
-    their mapping: unlinking does not touch it)."""
-    for entry in os.listdir(directory):
-        if entry.startswith(names + "-") and not entry.startswith(key):
+def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
+    """Remove the cache files nobody has used for `unused_for_s` (each use touches them):
+    earlier versions of a text, index entries of files that changed, what a killed writer
+    left. Never a file in use: another node sharing the cache touched it moments ago, and a
+    process still mapping a file it made long ago keeps its mapping (unlink does not touch it)."""
+    cutoff = time.time() - unused_for_s
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+                os.unlink(entry.path)
+        except OSError:
+            pass
+
+
+def document_stream(sources: list[Source], text_column: str):
+    """The corpus as documents (each an iterable of text pieces), a new pass per call: a
+    text file is one document, a Parquet or JSON-lines file one per row."""
+    def stream():
+        for s in sources:
+            if documents.file_format(s.name) == documents.TEXT:
+                yield (data.decode("ascii") if text is None else text for data, text in text_chunks(s))
+            else:
+                yield from ((doc,) for doc in documents.read_documents(s.local, text_column, name=s.name))
+    return stream
+
+
+def _prepare_documents(path: str, sources: list[Source], directory: str, how: Tokenization,
+                       vocab: Optional[str]) -> TokenFile:
+    """Any tokenizer, any file format (encoding.py's passes). Cached: the scan of the corpus
+    (<key>.json), a trained BPE (<key>-bpe-<settings>.tokenizer.json, reused by every run
+    with the same settings), and the token file, named by the corpus, the tokenizer's
+    fingerprint and the split."""
+    names = _digest(["documents", *[s.name for s in sources]])
+    key = f"{names}-{_digest([FORMAT, how.text_column, [list(s.identity) for s in sources]])}"
+    stream = document_stream(sources, how.text_column)
+    corpus_bytes = sum(s.size for s in sources)
+    started = time.perf_counter()
+    meta_path = os.path.join(directory, key + ".json")
+    meta = _read_json(meta_path)
+    chars_needed = how.kind == "char"  # the BPEs need only the count: collecting characters costs seconds per 100 MB
+    if meta is None or "documents" not in meta or (chars_needed and meta.get("chars") is None):
+        log.info("data %s: reading %d file(s), %.1f MB, to count its characters", path, len(sources), corpus_bytes / 1e6)
+        found = encoding.scan(stream, collect_chars=chars_needed)
+        _unchanged(sources)
+        meta = {"format": FORMAT, "chars": found.distinct if chars_needed else None, "length": found.chars,
+                "documents": found.documents, "sources": [[s.name, s.size] for s in sources]}
+        storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
+    split = encoding.train_chars(meta["length"], how.val_fraction)
+
+    tok = _tokenizer_for(path, how, vocab, meta, stream, split, directory, key)
+    state = tok.to_dict()
+    fingerprint = tokenizer.fingerprint(state)
+    char = tok.kind == "char"
+    name = f"{key}-{tok.kind}-{fingerprint}" + ("" if char else f"-{_digest(how.val_fraction)}") + f".{tok.dtype.name}"
+    token_path = os.path.join(directory, name)
+    tokenizer_name = None
+    if not char:
+        tokenizer_name = f"{key}-{tok.kind}-{fingerprint}.tokenizer.json"
+        tokenizer_path = os.path.join(directory, tokenizer_name)
+        if not os.path.exists(tokenizer_path):
+            storage.write_local_atomically(tokenizer_path, lambda out: out.write(json.dumps(state).encode()))
+    counts_path = token_path + ".json"
+    encode_s = None
+    counts = _read_json(counts_path) if os.path.exists(token_path) else None
+    if counts is not None and os.path.getsize(token_path) != counts["length"] * tok.dtype.itemsize:
+        counts = None
+    if counts is not None:
+        log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{counts['length']:,}")
+    else:
+        log.info("data %s: encoding %.1f M characters with the %s tokenizer", path, meta["length"] / 1e6,
+                 tok.describe())
+        result = []
+        storage.write_local_atomically(token_path, lambda out: result.append(
+            encoding.write_tokens(tok, stream, split, meta["length"], out, f"data {path}")))
+        try:
+            _unchanged(sources)
+        except ConfigError:
+            os.unlink(token_path)
+            raise
+        counts = {"length": result[0][0], "train_tokens": result[0][1]}
+        storage.write_local_atomically(counts_path, lambda out: out.write(json.dumps(counts).encode()))
+        encode_s = time.perf_counter() - started
+        log.info("data %s: encoded %.1f MB into %s tokens (%s) in this node's token cache %s in %.1f s (%.1f MB/s)",
+                 path, corpus_bytes / 1e6, f"{counts['length']:,}", tok.describe(), token_path, encode_s,
+                 corpus_bytes / 1e6 / max(encode_s, 1e-9))
+    for used in (meta_path, token_path, counts_path, *([os.path.join(directory, tokenizer_name)] if tokenizer_name else [])):
+        _touch(used)  # in use: remove_unused leaves it alone
+    return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
+                     encode_s, directory=directory, tokenizer=tokenizer_name,
+                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint)
+
+
+def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
+                   directory: str, key: str) -> tokenizer.Tokenizer:
+    """The snapshot's tokenizer when resuming; else characters of the text, GPT-2's, or a
+    BPE trained on the training split (cached: trained once per corpus and settings)."""
+    if how.kind == "char":
+        chars = vocab if vocab is not None else meta["chars"]
+        outside = sorted(set(meta["chars"]) - set(chars))
+        if outside:
+            raise ConfigError(f"data.path={path} has characters outside the snapshot's vocabulary: "
+                              f"{''.join(outside)!r}: resume with the text it was trained on, or start a new run")
+        id_dtype(len(chars), f"data.path={path}")
+        return tokenizer.CharTokenizer(tokenizer.Vocabulary(chars))
+    if how.state is not None:
+        return tokenizer.from_dict(how.state, how.download)
+    if how.kind == "gpt2":
+        return tokenizer.load_gpt2(how.download)
+    trained = os.path.join(directory, f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}"
+                                      ".tokenizer.json")
+    if os.path.exists(trained):
+        _touch(trained)
+        return tokenizer.from_dict(_read_json(trained))
+    log.info("data %s: training a byte-level BPE of %s tokens on the training split", path, f"{how.vocab_size:,}")
+    tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars)
+    storage.write_local_atomically(trained, lambda out: out.write(json.dumps(tok.to_dict()).encode()))
+    return tok
+
+
+def load_tokenizer(token_file: TokenFile, cache_dir: Optional[str]) -> tokenizer.Tokenizer:
+    """The tokenizer a token file's ids belong to, on any rank of its node."""
+    if token_file.tokenizer is None:
+        return tokenizer.CharTokenizer(tokenizer.Vocabulary(token_file.chars))
+    with open(os.path.join(tokens_dir(cache_dir), token_file.tokenizer), encoding="utf-8") as f:
+        return tokenizer.from_dict(json.load(f), download=False)
+
+
+# ---- one node encodes for all that share the cache -----------------------------------------
+LOCK_HEARTBEAT_S = 5.0
+LOCK_STALE_S = 60.0  # a lock not touched for this long was left by a process that died
+
+
+@contextlib.contextmanager
+def shared_cache_lock(directory: str, path: str) -> Iterator[None]:
+    """Exclusive use of `directory` for corpus `path` among all processes that share it.
+
+    With data.cache_dir on storage all nodes share (FSx, NFS), every node's local rank 0
+    arrives here at about the same time: the first creates the lock file (O_CREAT|O_EXCL,
+    atomic on those filesystems too) and encodes while a thread keeps its modification
+    time fresh; the others wait, then find the token file made and only map it. A lock
+    left by a killed process goes stale after LOCK_STALE_S and is taken over. On a
+    node-local cache only one process per node comes here: the lock is always free.
+    """
+    lock = os.path.join(directory, f".{_digest(path)}.lock")
+    waited = False
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
             try:
-                os.unlink(os.path.join(directory, entry))
+                age = time.time() - os.stat(lock).st_mtime
+                with open(lock, encoding="utf-8") as f:
+                    owner = f.read().strip()
             except OSError:
-                pass
+                continue  # released just now
+            if age > LOCK_STALE_S:
+                log.warning("data %s: taking over the token cache lock %s of %s (untouched for %.0f s)", path, lock,
+                            owner or "an unknown process", age)
+                with contextlib.suppress(OSError):
+                    os.unlink(lock)
+                continue
+            if not waited:
+                log.info("data %s: %s is preparing the token cache %s; waiting for it", path, owner or "another node",
+                         directory)
+                waited = True
+            time.sleep(0.2)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(f"{platform.node()} pid {os.getpid()}\n")
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(LOCK_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(lock)
+
+    beat = threading.Thread(target=heartbeat, daemon=True, name="token-cache-lock")
+    beat.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beat.join()
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
 
 
 def this_nodes_token_file(made_here: Optional[TokenFile], dist: distributed.DistEnv) -> TokenFile:
     """The token file this node's local rank 0 made (`made_here` on that rank, else None),
-    for every rank of the node; checked to hold the same corpus as global rank 0's. Nodes
-    may keep their own copies of the text (other modification times, so other file names),
-    never other text. Every rank takes part (one all_gather of small objects)."""
-    everyone = distributed.all_gather_object((platform.node(), made_here))
-    reference = everyone[0][1]
-    for host, made in everyone:
-        if made is not None and (made.chars, made.length) != (reference.chars, reference.length):
+    for every rank of the node; checked to hold the same text as global rank 0's. Nodes
+    may keep their own copies of the text (even their own caches), never other text. A
+    node is the launcher's (torchrun's agent, Slurm's node): host names can be shared by
+    containers and are generic in many images. Every rank takes part (one all_gather of
+    small objects)."""
+    node = distributed.node_id()
+    everyone = distributed.all_gather_object((node, platform.node(), made_here))
+    reference = everyone[0][2]
+    for _, host, made in everyone:
+        if made is not None and made.fingerprint != reference.fingerprint:
+            raise ConfigError(
+                f"node {host} encoded data.path={reference.corpus} with another tokenizer than rank 0 (a BPE trained "
+                "on its own copy of the text): put data.cache_dir on storage every node shares, or give every node "
+                "the same files"
+            )
+        if made is not None and (made.text_sha256, made.length, made.train_tokens) != (
+                reference.text_sha256, reference.length, reference.train_tokens):
             raise ConfigError(
                 f"node {host} read another text for data.path={reference.corpus} than rank 0 "
                 f"({made.length:,} characters, {len(made.chars)} distinct, against {reference.length:,} and "
                 f"{len(reference.chars)}): give every node the same files"
             )
-    return next(made for host, made in everyone if host == platform.node() and made is not None)
+    return next(made for made_on, _, made in everyone if made_on == node and made is not None)
 
 
 def open_tokens(token_file: TokenFile, cache_dir: Optional[str]) -> torch.Tensor:
     """The token file as a tensor backed by a copy-on-write memory map (never written):
     every process on a node shares the same page-cache pages."""
-    path = os.path.join(tokens_dir(cache_dir), token_file.name)
+    directory = tokens_dir(cache_dir)
+    path = os.path.join(directory, token_file.name)
     dtype = np.dtype(token_file.dtype)
-    size = os.path.getsize(path) if os.path.exists(path) else None
-    if size != token_file.length * dtype.itemsize:
+    if _size(path) != token_file.length * dtype.itemsize:
+        if token_file.directory and not _same_directory(directory, token_file.directory):
+            raise ConfigError(
+                f"this process's data.cache_dir is {os.path.dirname(directory)} but this node's local rank 0 used "
+                f"{os.path.dirname(token_file.directory)} ($MINGPT_DDP_CACHE, $XDG_CACHE_HOME or $HOME differ "
+                "between the processes of a node): set data.cache_dir=<a local directory> for all of them"
+            )
         raise ConfigError(
-            f"this node's token file {path} for data.path={token_file.corpus} is missing or incomplete: "
-            "does data.cache_dir differ between the processes of a node, or was it cleaned while the job started?"
+            f"this node's token file {path} for data.path={token_file.corpus} was removed or truncated after local "
+            "rank 0 made it, while the job started (by something cleaning the cache?): start the job again"
         )
     return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", shape=(token_file.length,)))
+
+
+def _same_directory(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)

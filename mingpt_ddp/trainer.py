@@ -16,14 +16,15 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mingpt_ddp import distributed, parallel, precision
+from mingpt_ddp import determinism, distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
-from mingpt_ddp.config import OptimizerConfig, TrainerConfig
+from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, datasheet_peak_flops, measured_peak_flops, mfu
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak_flops, mfu,
+                                window_loss_sums)
 from mingpt_ddp.model import GPT
-from mingpt_ddp.preemption import StopRequest
+from mingpt_ddp.preemption import StopRequest, shield_compile_workers
 from mingpt_ddp.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
@@ -87,12 +88,17 @@ class Trainer:
         metrics: MetricsLog,
         saver: Optional[BackgroundSaver],
         snapshot_metadata: dict[str, Any],
+        run_lock: Any = None,
+        token_bytes: Optional[torch.Tensor] = None,
         resumed_precision: Optional[str] = None,
     ):
-        """`resumed_precision`: the precision of the snapshot this run resumes from, which
-        trainer.precision=auto keeps (see _resolve_precision)."""
+        """`token_bytes`: UTF-8 bytes per token id, for val_bpb (tokenizer.byte_lengths();
+        default: a character corpus's, from its vocabulary). `resumed_precision`: the
+        precision of the snapshot this run resumes from, which trainer.precision=auto keeps
+        (see _resolve_precision)."""
         self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
+        self.run_lock = run_lock  # rank 0's RunLock: its `lost` stops every rank at the next agreement
         self.device = dist.device
         self.model = model.to(self.device)
         self.block_size = model.cfg.block_size
@@ -103,6 +109,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
+        determinism.apply(cfg.deterministic, self.strategy.compiled)  # before the first GPU matmul
         self.forward_model = self.strategy.forward_model
         self.optimizer = self.strategy.make_optimizer(optim_cfg)
         self.scaler = self.strategy.grad_scaler()
@@ -114,17 +121,24 @@ class Trainer:
             WindowDataset(corpus.train_tokens, self.block_size), dist.world_size, dist.rank, cfg.seed
         )
         self.val_windows = WindowDataset(corpus.val_tokens, self.block_size)
+        if token_bytes is None:  # the corpus's tokenizer, or a character Vocabulary
+            vocab = corpus.vocab
+            token_bytes = (torch.from_numpy(vocab.byte_lengths()) if hasattr(vocab, "byte_lengths") else
+                           torch.tensor([len(c.encode("utf-8")) for c in vocab.chars], dtype=torch.int32))
+        self.token_bytes = token_bytes.to(self.device)
         self.state = TrainState()
         self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
-        self.peak_flops = distributed.broadcast_object(
-            measured_peak_flops(self.device, self.precision.dtype) if dist.is_main else None
-        )
+        self.peak_flops = distributed.wait_for_main(lambda: measured_peak_flops(self.device, self.precision.dtype),
+                                                    "measuring the matmul peak")
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
+        self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
         self._last_save_step: Optional[int] = None
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
         self._evaluated_windows = 0
+        self._evaluated_bytes = 0
+        self.last_val_bpb: Optional[float] = None
         self._last_agreement = (0, time.monotonic())  # (step, time) of the last stop agreement
         self._next_agreement = 1  # the step of the next one (the loop's measurements set it)
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
@@ -145,9 +159,10 @@ class Trainer:
             except ConfigError as exc:  # e.g. bf16 from an Ampere GPU, resumed on a V100
                 self.metrics.note(f"precision {resumed} of the snapshot cannot run here ({exc}); "
                                   "trainer.precision=auto decides again")
-        model, dist = self.model, self.dist
-        return precision.resolve(requested, self.device, measure_cpu=lambda: distributed.broadcast_object(
-            precision.measured_cpu_choice(model, self.cfg.batch_size, self.block_size) if dist.is_main else None))
+        # Measured by rank 0 alone (seconds on a busy CPU): the others wait in the store, not in a collective.
+        model = self.model
+        return precision.resolve(requested, self.device, measure_cpu=lambda: distributed.wait_for_main(
+            lambda: precision.measured_cpu_choice(model, self.cfg.batch_size, self.block_size), "timing fp32 against bf16"))
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -256,8 +271,15 @@ class Trainer:
         state = self.state_dict()  # collective (RNG states): every rank takes part
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()
-        if self.saver is not None:
-            self.saver.submit(state, self.state.step)  # copies to host memory, then writes in the background
+        if self.strategy.sharded_snapshots:  # every rank stages its shards (sharded_snapshot.py)
+            if self.saver is not None:
+                self.saver.submit(state, self.state.step)
+            return
+        # Rank 0 copies to host memory and writes in the background, once its previous write is
+        # done (a write in progress may take long): the others wait in the store, not in a collective.
+        step = self.state.step
+        distributed.wait_for_main(lambda: self.saver.submit(state, step) if self.saver else None,
+                                  f"saving the snapshot of step {step}")
 
     # ---- the loop --------------------------------------------------------------------
     def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -310,11 +332,13 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> float:
-        """Mean validation loss over all ranks' windows, dropout off."""
+        """Mean validation loss per token over all ranks' windows, dropout off; also logged:
+        val_bpb, the same windows' loss in bits per byte of their text."""
         self.model.eval()
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
-        totals = torch.zeros(2, device=self.device, dtype=torch.float64)
+        # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
+        totals = torch.zeros(5, device=self.device, dtype=torch.float64)
         # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
         # a rank with fewer windows runs its last pass on a window it does not count.
         for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
@@ -324,18 +348,23 @@ class Trainer:
             with self.precision.autocast():
                 # Not the compiled model, which eval mode, no_grad and a short last batch would
                 # each make recompile (tens of seconds on a large model, every evaluation).
-                _, loss = self.model(x, y)
-            totals[0] += loss.double() * counted
-            totals[1] += counted
+                logits, _ = self.model(x)
+            if counted:
+                totals[:4] += window_loss_sums(logits, y, self.token_bytes)
+                totals[4] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
-        val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
+        nats, targets, text_nats, text_bytes, counted_windows = totals.tolist()
+        val_loss = nats / targets if targets > 0 else float("nan")
         self.state.last_val_loss = val_loss
         self._evaluated_at = self.state.step
-        self._evaluated_windows = int(totals[1].item())
+        self._evaluated_windows = int(counted_windows)
+        self._evaluated_bytes = int(text_bytes)
         self.state.best_val_loss = min(self.state.best_val_loss, val_loss)
+        self.last_val_bpb = bits_per_byte(text_nats, text_bytes)
         self.metrics.write({"step": self.state.step, "epoch": self.state.epoch, "val_loss": val_loss,
-                            "val_windows": self._evaluated_windows})
+                            "val_bpb": self.last_val_bpb, "val_windows": self._evaluated_windows,
+                            "val_bytes": self._evaluated_bytes})
         return val_loss
 
     def fit(self) -> Optional[float]:
@@ -349,10 +378,19 @@ class Trainer:
         )
         self.model.train()
         self._last_save_time = time.monotonic()
+        if self.strategy.compiled:
+            shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
-            self.stopped_by = self._train_loop(stop_request)
+            try:
+                self.stopped_by = self._train_loop(stop_request)
+            except RuntimeError as exc:  # an op without a deterministic kernel: one line, not a traceback
+                if self.cfg.deterministic and determinism.explain(exc):
+                    raise determinism.explain(exc) from None
+                raise
             if self.stopped_by:
+                self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
+                stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
                 self.save()
                 self._wait_for_saves()
                 self.metrics.note(
@@ -363,13 +401,15 @@ class Trainer:
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
                 self.evaluate(final=True)
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
-                              f"validation windows of {self.block_size}")
+                              f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
+            stop_request.saving_last_snapshot(self._newest_saved, stopping=False)
             self.save()
             self._wait_for_saves()
         self._check_ranks_agree()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"
+            + (f", val_bpb {self.last_val_bpb:.4f}" if self.last_val_bpb is not None else "")
         )
         return self.state.last_val_loss
 
@@ -397,7 +437,7 @@ class Trainer:
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 log_step = self.state.step % self.cfg.log_every == 0
                 if log_step:
-                    self._log_train(window_loss, window_steps, timer.take(), includes_compile)
+                    self._log_train(window_loss, window_steps, *timer.take_window(), includes_compile)
                     window_loss.zero_()
                     window_steps, includes_compile = 0, False
                 if log_step or self.state.step >= self._next_agreement:
@@ -427,45 +467,62 @@ class Trainer:
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
         """One tiny all_reduce every `log_every` steps, and at least every
         trainer.stop_check_seconds of wall time: did any rank get a stop signal (its number, 0
-        if none), is a time-based snapshot due by rank 0's clock, and has rank 0's saving
-        failed for longer than trainer.save_retry_minutes? Every rank acts on the same answer,
-        so all stop after the same step. The slowest rank's seconds per step since the last
-        agreement come back the same on every rank, and set the step of the next one."""
+        if none), is a time-based snapshot due by rank 0's clock, has rank 0's saving failed
+        for longer than trainer.save_retry_minutes, has rank 0 lost the run lock (then nothing
+        more is saved)? Every rank acts on the same answer, so all stop after the same step.
+        The slowest rank's seconds per step since the last agreement come back the same on
+        every rank, and set the step of the next one."""
         now = time.monotonic()
-        minutes = self.cfg.snapshot_every_minutes
+        minutes = self.snapshot_every_minutes
         save_due = bool(minutes) and self.dist.is_main and now - self._last_save_time >= 60 * minutes
         save_failed = self.saver is not None and self.saver.failed
+        lock_lost = self.run_lock is not None and self.run_lock.lost is not None
         since_step, since = self._last_agreement
         step_seconds = (now - since) / max(1, self.state.step - since_step)
-        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed), step_seconds],
-                             device=self.device)
+        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed), float(lock_lost),
+                              step_seconds], device=self.device)
         distributed.all_reduce_max(flags)
-        stop_signal, save_due, save_failed, step_seconds = flags.tolist()
+        stop_signal, save_due, save_failed, lock_lost, step_seconds = flags.tolist()
         self._last_agreement = (self.state.step, now)
         self._next_agreement = self.state.step + max(1, min(self.cfg.log_every,
                                                             int(self.cfg.stop_check_seconds / max(step_seconds, 1e-9))))
+        if lock_lost:
+            lost = self.run_lock.lost if self.run_lock is not None else None
+            raise ConfigError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
         if save_failed:
             raise ConfigError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
         return int(stop_signal), save_due > 0
 
     def _wait_for_saves(self) -> None:
-        """Wait for rank 0's last write (retried for up to trainer.save_retry_minutes); if it
-        could not be saved, every rank stops with rank 0's error."""
-        error = self.saver.wait() if self.saver is not None else None
-        error = distributed.broadcast_object(error)
+        """Wait for the last write (rank 0's, retried for up to trainer.save_retry_minutes,
+        the others waiting in the store; under FSDP every rank's, which agree); if it could
+        not be saved, every rank stops with the same error."""
+        if self.strategy.sharded_snapshots:
+            error = self.saver.wait() if self.saver is not None else None
+        else:
+            error = distributed.wait_for_main(lambda: self.saver.wait() if self.saver else None,
+                                              "saving the last snapshot")
         if error:
             raise ConfigError(error)
 
-    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, includes_compile: bool = False) -> None:
-        """One metrics line; `seconds` are the window's training seconds (see StepTimer)."""
+    def _newest_saved(self) -> Optional[str]:
+        """The newest snapshot this run has saved (rank 0 knows; under FSDP every rank)."""
+        return getattr(self.saver, "last_saved", None)
+
+    def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, wall_seconds: float,
+                   includes_compile: bool = False) -> None:
+        """One metrics line; `seconds` are the window's training seconds, `wall_seconds` its
+        wall time, evaluations and saves included (see StepTimer)."""
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
-        tokens_per_s = steps * self.global_batch * self.block_size / max(seconds, 1e-9)
+        tokens = steps * self.global_batch * self.block_size
+        tokens_per_s = tokens / max(seconds, 1e-9)
         record = {
             "step": self.state.step,
             "epoch": self.state.epoch,
             "train_loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
+            "wall_tokens_per_s": tokens / max(wall_seconds, seconds, 1e-9),
             "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
         }
         if self.datasheet_peak_flops is not None:

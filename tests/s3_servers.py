@@ -174,3 +174,67 @@ class MotoServer(S3Server):
         if not self.port:
             self.port = free_ports(1)[0]
         return super().start(timeout)
+
+
+class RecordingProxy:
+    """A reverse proxy on 127.0.0.1 in front of an S3 server that records every request it
+    forwards (method, path, headers) and the server's status: what the store really
+    received, whatever the client library meant to send. Signatures stay valid: the Host
+    header is passed on unchanged."""
+
+    def __init__(self, upstream: str):
+        import http.client
+        import http.server
+        import threading
+        from urllib.parse import urlsplit
+
+        self.requests: list[dict] = []
+        target = urlsplit(upstream)
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, and "Expect: 100-continue" answered
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _forward(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=30)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    reply = conn.getresponse()
+                    data = reply.read()
+                finally:
+                    conn.close()
+                proxy.requests.append({"method": self.command, "path": self.path, "status": reply.status,
+                                       "headers": {k.lower(): v for k, v in self.headers.items()}})
+                self.send_response(reply.status)
+                for key, value in reply.getheaders():
+                    if key.lower() not in ("content-length", "transfer-encoding", "connection"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "RecordingProxy":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join()
+
+    def puts(self, key_suffix: str) -> list[dict]:
+        return [r for r in self.requests if r["method"] == "PUT" and r["path"].split("?")[0].endswith(key_suffix)]

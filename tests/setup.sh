@@ -11,8 +11,13 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-# Every tracker (logger=...) and export format, so that their tests run rather than skip.
-"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors]"
+# Every tracker (logger=...), export format, data source (http: aiohttp), tokenizer and corpus
+# format, so that their tests run rather than skip (one command: mlflow caps pyarrow's version).
+"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors,http,bpe,gpt2,parquet]"
+# GPT-2's BPE file without the network: openai-whisper ships it (whisper/assets/gpt2.tiktoken,
+# byte for byte tiktoken's r50k_base file); tests/test_tokenizer.py puts it into a tiktoken
+# cache of its own. Only the file is used: none of whisper's dependencies.
+"${PIP[@]}" --no-deps "openai-whisper==20250625"
 
 # S3: s3fs (the s3 extra) pins fsspec exactly and, through aiobotocore, a botocore range that
 # lags the newest boto3. Resolve s3fs first, then add the test servers (moto's, and
@@ -34,6 +39,12 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
       break
     fi
   done
+fi
+# Two "machines" on a real network: tests/test_netns.py uses network namespaces, veth and tc
+# (iproute2). Install it as root on Debian/Ubuntu when missing; elsewhere those tests skip.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null; } \
+    || echo "setup.sh: could not install iproute2; tests/test_netns.py will be skipped" >&2
 fi
 # Sweeps on Slurm (hydra/launcher=slurm): the project's `slurm` extra.
 "${PIP[@]}" "hydra-submitit-launcher>=1.2"

@@ -38,6 +38,15 @@ def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
     assert not (tmp_path / "nope.txt").exists()
 
 
+def test_a_mistyped_data_path_is_one_error_and_nothing_is_downloaded_or_created(run_dir, tmp_path):
+    """The preset's download URL is for its own path: a typo'd path (enwk9 for enwik9) is
+    not filled with tiny-shakespeare and trained on."""
+    typo = tmp_path / "corpora" / "enwk9"
+    text = expect_error(base(run_dir, typo), f"data file not found: {typo}")
+    assert text.count("error:") == 1 and "downloading" not in text.lower(), text
+    assert not (tmp_path / "corpora").exists()
+
+
 def test_empty_data_file(run_dir, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     expect_error(base(run_dir, tmp_path / "empty.txt"), "is empty")

@@ -99,7 +99,8 @@ def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
 def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
     stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
     header, rows = table(stdout)
-    assert header.split()[:3] == ["tokens/s", "tokens/s/proc", "ms/step"] and len(rows) == 1
+    assert header.split()[:4] == ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s"] and len(rows) == 1
+    assert 0 < r["wall_tokens_per_s"] <= r["tokens_per_s"]
     assert r["steps"] == 4 and r["precision"] == "fp32" and r["global_batch"] == 4 and r["block_size"] == 32
     vocab = len(set(small_corpus.read_text(encoding="utf-8")))
     n = n_params_by_formula(3, 48, vocab)  # gpt-nano: 3 layers, 48 dims
@@ -123,6 +124,17 @@ def test_data(tmp_path, small_corpus):
     assert header.split()[0] == "samples/s" and len(rows) == 1
     assert r["steps"] == 500 and r["samples_per_s"] > 0 and r["us_per_step_batch"] > 0
     assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
+
+
+def test_data_with_a_bpe_reports_its_encoding_per_core(tmp_path, small_corpus):
+    pytest.importorskip("tokenizers")
+    stdout, r = run_bench(["data", "data.block_size=32", "trainer.batch_size=4", f"data.path={small_corpus}",
+                           "data.tokenizer=bpe", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                           "steps=20"], tmp_path)
+    assert r["encoded"] and r["tokenizer"] == "bpe (300 tokens)" and r["token_dtype"] == "uint16"
+    assert r["encode_MBps"] > 0 and r["encode_MB_per_cpu_s"] > 0 and r["encode_cores"] == len(os.sched_getaffinity(0))
+    assert 1.2 < r["bytes_per_token"] < 4  # a BPE of 300 tokens merges a little (1.4 bytes a token here)
+    assert "MB/s per core" in stdout and "bpe (300 tokens)" in stdout
 
 
 def test_snapshot_to_a_local_url(tmp_path, small_corpus):

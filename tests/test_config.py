@@ -46,3 +46,14 @@ def test_run_id_is_shared_by_ranks_and_restarts(monkeypatch):
     assert config.run_id() == "slurm-4242_3"
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")  # another torchrun inside the allocation
     assert config.run_id() == "torchrun-abc"
+
+
+def test_the_tiny_shakespeare_download_belongs_to_the_presets_own_path():
+    """A download happens only when asked for: the preset's path with its URL, or a
+    data.download_url given with data.path; any other path (a typo) never downloads."""
+    assert composed().data.download_url == config.TINY_SHAKESPEARE_URL
+    assert composed("data.path=./data//tinyshakespeare.txt").data.download_url == config.TINY_SHAKESPEARE_URL
+    assert composed("data.path=/fsx/corpora/enwk9").data.download_url is None
+    assert composed("data.path=/fsx/x.txt", "data.download_url=http://h/x.txt").data.download_url == "http://h/x.txt"
+    assert composed("data.download_url=null").data.download_url is None
+    assert config.DataConfig().download_url is None  # a config built in Python downloads nothing by itself

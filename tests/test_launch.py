@@ -222,15 +222,18 @@ if [ "$1" = --help ]; then
 fi
 printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
 env | grep -E '^TORCH_(FR|NCCL)_' | sort >> "$FAKE_SRUN_LOG.env"
+exit "${FAKE_SRUN_EXIT:-0}"
 '''
 
 
-def fake_sbatch_run(tmp_path: Path, *args: str, **settings: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
-    """train.sbatch run as Slurm would (its environment), with a fake srun on PATH:
-    (result, srun's arguments or [] when not called, the step's TORCH_* environment)."""
+def fake_sbatch_run(tmp_path: Path, *args: str, scontrol: str = "exit 1\n",
+                    **settings: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """train.sbatch run as Slurm would (its environment), with a fake srun (exiting with
+    FAKE_SRUN_EXIT) and `scontrol` on PATH: (result, srun's arguments or [] when not called,
+    the step's TORCH_* environment)."""
     fake_bin = tmp_path / "bin"
     fake_command(fake_bin, "srun", FAKE_SRUN)
-    fake_command(fake_bin, "scontrol", "exit 1\n")
+    fake_command(fake_bin, "scontrol", scontrol)
     log = tmp_path / "srun.args"
     for stale in (log, Path(f"{log}.env")):
         stale.unlink(missing_ok=True)
@@ -289,6 +292,103 @@ def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
     assert "TORCH_FR_BUFFER_SIZE=500" in step_env and "TORCH_NCCL_TRACE_BUFFER_SIZE=500" in step_env, step_env
     header = SBATCH_SCRIPT.read_text()
     assert "\n#SBATCH --wait-all-nodes=1\n" in header and "\n#SBATCH --signal=B:USR1@300\n" in header
+
+
+# A node of 8 GPUs as Slurm's scontrol shows it, and a job on it (exclusive unless told).
+FAKE_SCONTROL = '''
+echo "$*" >> "$FAKE_SCONTROL_LOG"
+case "$1 $2" in
+  "show job") echo "JobId=777 JobName=mingpt"; echo "   OverSubscribe=${FAKE_OVERSUBSCRIBE:-NO} Contiguous=0" ;;
+  "show node") echo "NodeName=n1 Arch=x86_64 CoresPerSocket=48 Gres=${FAKE_GRES:-gpu:h100:8(S:0-1)} NodeAddr=n1" ;;
+  "requeue 777") exit "${FAKE_REQUEUE_EXIT:-0}" ;;
+  *) exit 1 ;;
+esac
+'''
+
+
+def test_sbatch_passes_an_exclusive_jobs_gpus_to_its_step(tmp_path):
+    """An --exclusive job holds all of its nodes' GPUs, but Slurm gives a step only the GPUs
+    the job asked for: without a request the step would see none and train on CPU. The
+    script asks for the node's GPUs for the step (srun --gres=gpu:8); not when the job asked
+    itself, when it is not exclusive, on nodes without GPUs, or with DEVICE=cpu."""
+    log = tmp_path / "scontrol.log"
+    run = lambda **env: fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL,  # noqa: E731
+                                        FAKE_SCONTROL_LOG=str(log), **env)
+    proc, srun_args, _ = run()
+    assert proc.returncode == 0 and "--gres=gpu:8" in srun_args, output(proc)
+    assert "exclusive job on nodes with 8 GPU(s) each: the step asks for them" in output(proc)
+    for settings in ({"SLURM_GPUS_ON_NODE": "8"}, {"FAKE_OVERSUBSCRIBE": "OK"}, {"FAKE_GRES": "(null)"},
+                     {"DEVICE": "cpu"}):
+        proc, srun_args, _ = run(**settings)
+        assert proc.returncode == 0 and not any(a.startswith("--gres") for a in srun_args), (settings, srun_args)
+
+
+def multinode_dry_run(tmp_path: Path, **settings: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MULTINODE), "model=gpt-nano"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=clean_env(DRY_RUN="1", **settings))
+
+
+def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
+    """The node has 8 GPUs (the NVIDIA driver's list, faked in GPU_INVENTORY; or Slurm's node
+    record) but the job sees none (no CUDA_VISIBLE_DEVICES, no nvidia-smi): one line naming
+    the count and the fixes, instead of training on one CPU worker. DEVICE=cpu trains on CPU
+    on purpose; GPUs the job sees are used; DEVICE=gpu refuses where none are visible."""
+    inventory = tmp_path / "gpus"
+    inventory.mkdir()
+    for i in range(8):
+        (inventory / f"0000:{i:02x}:00.0").mkdir()
+    path = f"{tmp_path / 'empty'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin"  # no nvidia-smi
+
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 1 and len(errors) == 1 and proc.stdout == "", output(proc)
+    assert "has 8 GPU(s) but this job sees none" in errors[0], errors
+    assert "--gpus-per-node=8" in errors[0] and "DEVICE=cpu" in errors[0], errors
+
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, DEVICE="cpu")
+    assert proc.returncode == 0 and "(DEVICE=cpu: 1 CPU worker" in proc.stderr, output(proc)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, CUDA_VISIBLE_DEVICES="0,1")
+    assert proc.returncode == 0 and "--nproc_per_node=2" in proc.stdout, output(proc)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(tmp_path / "none"), PATH=path, DEVICE="gpu")
+    assert proc.returncode == 1 and "DEVICE=gpu but no GPU is visible" in proc.stderr, output(proc)
+    proc = multinode_dry_run(tmp_path, DEVICE="tpu")
+    assert proc.returncode == 1 and "DEVICE=tpu: give auto" in proc.stderr, output(proc)
+
+    # Under Slurm, where the driver's list cannot be read: the node's Gres.
+    fake_command(tmp_path / "bin", "scontrol", FAKE_SCONTROL)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(tmp_path / "none"), PATH=f"{tmp_path / 'bin'}:{path}",
+                             FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_GRES="gpu:a100:4,gpu:v100:2",
+                             SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
+                             SLURM_NODEID="0", SLURMD_NODENAME="n1")
+    assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
+
+
+def test_sbatch_requeues_a_failed_step_within_the_requeue_limit(tmp_path):
+    """A step that fails mid-run (a lost node, a collective that timed out) is requeued like a
+    preempted one: same job, resumes from its snapshot. Not when it failed within
+    REQUEUE_MIN_STEP_SECONDS of its start (a setting or environment error a requeue would
+    repeat), not for bad input (exit code 2), and not past MAX_REQUEUES."""
+    log = tmp_path / "scontrol.log"
+
+    def run(**env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        log.unlink(missing_ok=True)
+        proc, _, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log),
+                                     FAKE_GRES="(null)", **env)
+        return proc, log.read_text().splitlines() if log.exists() else []
+
+    proc, calls = run(FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0", SLURM_RESTART_COUNT="3")
+    assert proc.returncode == 0 and "requeue 777" in calls, output(proc)
+    assert "training step failed after 0s (step exit code 1): requeueing job 777 (4 of at most 20)" in output(proc)
+
+    for settings, why in (({"FAKE_SRUN_EXIT": "143"}, "within REQUEUE_MIN_STEP_SECONDS=300 of its start"),
+                          ({"FAKE_SRUN_EXIT": "2", "REQUEUE_MIN_STEP_SECONDS": "0"}, "refused its input"),
+                          ({"FAKE_SRUN_EXIT": "1", "REQUEUE_MIN_STEP_SECONDS": "0", "SLURM_RESTART_COUNT": "5",
+                            "MAX_REQUEUES": "5"}, "already requeued 5 times (MAX_REQUEUES=5)")):
+        proc, calls = run(**settings)
+        assert proc.returncode == int(settings["FAKE_SRUN_EXIT"]), output(proc)
+        assert "requeue 777" not in calls and why in output(proc), (settings, output(proc))
+    proc, calls = run()
+    assert proc.returncode == 0 and "train.sbatch: done" in output(proc) and "requeue 777" not in calls
 
 
 # ---- pre-flight verdicts and the submitit CPU default (pure logic) -------------------------------
@@ -360,5 +460,5 @@ def test_missing_s3fs_for_an_s3_url_is_one_line_naming_it(tmp_path, small_corpus
     out = output(proc)
     errors = [line for line in out.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(errors) == 1, out
-    assert "s3fs" in errors[0] and f"{python} -m pip install 's3fs>=2023.6'" in errors[0], errors
+    assert "s3fs" in errors[0] and f"{python} -m pip install 's3fs>=2024.12'" in errors[0], errors
     assert "Traceback" not in out, out

@@ -1,8 +1,8 @@
 """Issue 11: the edges of long cluster runs, each with real processes where it matters:
 ranks resuming different snapshots, the run's global batch over resizes, static graph with
 accumulation, retention next to damaged files, sweeps failing on some ranks, sampling
-options, URL secrets, seeding, unwritable run directories, exiting cleanly, one live run
-per run directory."""
+options, URL secrets, seeding, unwritable run directories, exiting cleanly. (One live run
+per run directory: test_run_lock.py.)"""
 import json
 import os
 import signal
@@ -10,13 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, run_cli, s3_options
+from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, run_cli
 from test_fault_tolerance import children, metrics_lines, wait_for
 
 
@@ -171,8 +170,8 @@ def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
 # ---- 5. a sweep point failing on some ranks only ---------------------------------------------
 @pytest.mark.slow
 def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path, small_corpus):
-    # A per-rank cache directory: the node's token file is made in rank 0's, so rank 1 alone
-    # finds none (as a node whose local disk lost its copy would).
+    # A per-rank cache directory: rank 1 alone finds its node's token cache elsewhere (as a
+    # process whose $HOME differs from its node's local rank 0 would).
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=3", f"data.path={small_corpus}",
                     f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}", f"hydra.sweep.dir={sweep}"],
@@ -180,7 +179,7 @@ def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path,
     assert proc.returncode == 0, output(proc)
     results = [json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")]
     assert [r["status"] for r in results] == ["failed", "failed"], results
-    assert all("on rank(s) 1 of 2" in r["error"] and "this node's token file" in r["error"] for r in results)
+    assert all("on rank(s) 1 of 2" in r["error"] and "this process's data.cache_dir" in r["error"] for r in results)
 
 
 # ---- 9. sampling options ---------------------------------------------------------------------
@@ -321,115 +320,3 @@ def test_quick_two_worker_runs_exit_cleanly_in_a_loop(tmp_path, small_corpus):
         assert proc.returncode == 0 and "terminate called" not in text, text
         for rank in (0, 1):
             assert Path(f"{probe}.{rank}").read_text() == "False []", (rank, text)
-
-
-# ---- 14. one live run per run directory -----------------------------------------------------------
-def lock_store(path, options=None):
-    from mingpt_ddp.snapshot import SnapshotStore
-
-    return SnapshotStore(str(path), storage_options=options)
-
-
-def dead_pid() -> int:
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    return child.pid
-
-
-def write_owner(lock_path: Path, **fields):
-    owner = {"host": socket.gethostname(), "pid": os.getpid(), "pid_start": None, "job": None,
-             "started": time.time() - 60, "heartbeat": time.time(), "token": "other"}
-    owner.update(fields)
-    lock_path.write_text(json.dumps(owner))
-
-
-def test_run_lock_refuses_live_owners_and_takes_over_dead_ones(tmp_path, monkeypatch):
-    from mingpt_ddp.errors import ConfigError
-    from mingpt_ddp.run_lock import RunLock
-
-    for var in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.delenv(var, raising=False)
-    store = lock_store(tmp_path / "snapshot.pt")
-    lock_path = tmp_path / ".snapshot.lock"
-    first = RunLock(store)
-    first.acquire()
-    with pytest.raises(ConfigError, match=f"pid {os.getpid()}, no Slurm job or torchrun run id, since"):
-        RunLock(store).acquire()
-    first.release()
-    assert not lock_path.exists()
-
-    for stale in ({"pid": dead_pid()},  # same host, process gone (SIGKILL)
-                  {"host": "elsewhere", "heartbeat": time.time() - 3600}):  # node lost: heartbeat old
-        write_owner(lock_path, **stale)
-        lock = RunLock(store)
-        lock.acquire()
-        assert json.loads(lock_path.read_text())["token"] == lock.token
-        lock.release()
-    write_owner(lock_path, host="elsewhere", job="slurm job 77")  # alive elsewhere
-    with pytest.raises(ConfigError, match="host elsewhere, pid .*slurm job 77"):
-        RunLock(store).acquire()
-    monkeypatch.setenv("SLURM_JOB_ID", "77")  # the same job, requeued: the same run
-    mine = RunLock(store)
-    mine.acquire()
-    assert json.loads(lock_path.read_text())["token"] == mine.token
-    mine.release()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("server_name", ["moto_s3", "seaweedfs"])
-def test_run_lock_is_a_lease_object_on_s3(request, server_name, monkeypatch):
-    from mingpt_ddp.errors import ConfigError
-    from mingpt_ddp.run_lock import RunLock
-
-    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    server = request.getfixturevalue(server_name)
-    bucket = f"lock-{uuid.uuid4().hex[:12]}"
-    server.make_bucket(bucket)
-    store = lock_store(f"s3://{bucket}/run/snapshot.pt", s3_options(server))
-    first = RunLock(store)
-    first.acquire()
-    assert not first._create(b"{}")  # exclusive creation
-    with pytest.raises(ConfigError, match="another run is live on these snapshots"):
-        RunLock(store).acquire()
-    first.release()
-    second = RunLock(store)
-    second.acquire()
-    second.release()
-
-
-@pytest.mark.slow
-def test_a_second_run_in_a_live_run_directory_is_refused(tmp_path, small_corpus):
-    run_dir = tmp_path / "run"
-    first_args = args(run_dir, small_corpus, "trainer.max_epochs=100")
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([PYTHON, MAIN, *first_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first run training")
-        start = time.monotonic()
-        second = run_cli([*first_args, "trainer.seed=4242"], nproc=2, timeout=120)
-        line = expect_config_error(second, "another run is live", f"pid {first.pid}", socket.gethostname())
-        assert time.monotonic() - start < 60, line
-        steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert steps == sorted(steps), steps  # one writer
-        assert "4242" not in (run_dir / ".hydra" / "config.yaml").read_text()  # the live run's config kept
-        os.kill(first.pid, signal.SIGTERM)
-        assert first.wait(timeout=120) == 0, (tmp_path / "first.log").read_text()
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    assert not (run_dir / ".snapshot.lock").exists()  # released at the end
-    # The first run SIGKILLed: its lock stays, but does not block the next run.
-    with open(tmp_path / "again.log", "w") as log:
-        again = subprocess.Popen([PYTHON, MAIN, *first_args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_for(lambda: (run_dir / ".snapshot.lock").exists(), 120, "the lock")
-        os.killpg(again.pid, signal.SIGKILL)
-        again.wait()
-    finally:
-        if again.poll() is None:
-            os.killpg(again.pid, signal.SIGKILL)
-    text = must_pass(run_cli(args(run_dir, small_corpus, "trainer.max_steps=3", "trainer.max_epochs=100")))
-    assert "left by a run that is gone" in text

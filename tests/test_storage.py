@@ -96,6 +96,105 @@ def test_stored_config_and_log_lines_have_resolved_secrets_redacted(monkeypatch,
         logging.getLogger().removeHandler(handler)
 
 
+def tracked_cfg(tracking_uri):
+    cfg = cfg_with()
+    cfg.logger = {"mlflow": {"tracking_uri": tracking_uri, "experiment": "mingpt-ddp"}}
+    return cfg
+
+
+def test_a_literal_password_in_any_url_valued_key_is_refused_and_scrubbed(tmp_path):
+    """logger.mlflow.tracking_uri is a URL like data.path: its user-info is a credential."""
+    hydra_dir = tmp_path / ".hydra"
+    hydra_dir.mkdir()
+    cfg = tracked_cfg("https://alice:hunter2-tracking@mlflow.example.com")
+    (hydra_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (hydra_dir / "overrides.yaml").write_text("- logger.mlflow.tracking_uri=https://alice:hunter2-tracking@mlflow."
+                                              "example.com\n")
+    with pytest.raises(ConfigError) as err:
+        storage.refuse_literal_secrets(cfg, [str(hydra_dir)])
+    assert str(err.value).startswith("logger.mlflow.tracking_uri: secrets must not be written into the config")
+    assert "hunter2-tracking" not in str(err.value)
+    for path in hydra_dir.iterdir():
+        assert "hunter2-tracking" not in path.read_text() and "alice:<redacted>@" in path.read_text(), path
+    # From the environment by interpolation: allowed (Hydra's files hold the reference).
+    assert storage.literal_secrets(tracked_cfg("${oc.env:MY_TRACKING_URI}")) == []
+    assert storage.literal_secrets(tracked_cfg("https://alice:${oc.env:MY_PW}@mlflow.example.com")) == []
+    assert storage.literal_secrets(tracked_cfg("https://bob@mlflow.example.com")) == [
+        ("logger.mlflow.tracking_uri", "bob")]  # an HTTP user name alone is a token
+
+
+def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_run_references(
+        tmp_path, monkeypatch, caplog):
+    from mingpt_ddp import loggers
+
+    monkeypatch.setenv("I22_TRACKING_URI", "https://alice:resolved-pw-0123@mlflow.example.com/")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://carol:env-only-pw-4567@mlflow.example.com/")
+    cfg = tracked_cfg("${oc.env:I22_TRACKING_URI}")
+    cfg.data.path = "https://h.example.com/corpus.txt?X-Amz-Signature=abcdef0123456789"
+    secrets = storage.resolve_secrets(cfg, [])
+    stored = secrets.redact_config(OmegaConf.to_container(cfg, resolve=True))
+    assert stored["logger"]["mlflow"]["tracking_uri"] == "https://alice:<redacted>@mlflow.example.com/"
+    assert stored["data"]["path"] == "https://h.example.com/corpus.txt?X-Amz-Signature=<redacted>"
+    params = loggers.flatten(stored)
+    assert "resolved-pw-0123" not in str(params) and "abcdef0123456789" not in str(params)
+    # The password alone, wherever a library puts it (an error message, a header dump):
+    assert storage.redact("auth failed for alice/resolved-pw-0123") == "auth failed for alice/<redacted>"
+    assert storage.redact("retrying with env-only-pw-4567") == "retrying with <redacted>"
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("mlflow.test").info("View run at https://alice:resolved-pw-0123@mlflow.example.com/#/1")
+    assert "resolved-pw-0123" not in caplog.text and "alice:<redacted>@" in caplog.text
+    # MLflow gets the URI without user-info (it prints and stores what it is given); the
+    # credentials go where its client reads basic auth from.
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    assert loggers._credentials_to_environment("https://alice:p%40ss-word@mlflow.example.com:5000/x") == \
+        "https://mlflow.example.com:5000/x"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice" and os.environ["MLFLOW_TRACKING_PASSWORD"] == "p@ss-word"
+
+
+def test_the_redacting_filter_never_raises():
+    """A malformed log call in any library must not raise into the training loop."""
+    handler = logging.StreamHandler()
+    handler.addFilter(storage.RedactingFilter())
+    logger = logging.getLogger("mingpt_ddp.test.malformed")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("%d items", "not a number")  # logging itself reports it on stderr, no exception
+        record = logging.LogRecord("x", logging.WARNING, __file__, 1, "%s and %s", ("one",), None)
+        assert storage.RedactingFilter().filter(record) is True
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_urls_are_named_by_their_location_and_listed_children_keep_their_host():
+    assert storage.location("https://u:p@h.example.com/a/b.txt?X-Amz-Signature=s#frag") == "https://h.example.com/a/b.txt"
+    assert storage.location("sftp://alice:pw@host/data/x.txt") == "sftp://alice@host/data/x.txt"
+    assert storage.location("/local/path?.txt") == "/local/path?.txt"
+
+    class Listing:  # the protocol attributes of fsspec's filesystems, no server needed
+        def __init__(self, cls):
+            self.cls = cls
+
+        def unstrip_protocol(self, name):
+            return self.cls.unstrip_protocol(self, name)
+
+    from fsspec.implementations.ftp import FTPFileSystem
+    from fsspec.implementations.http import HTTPFileSystem
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    ftp = Listing(FTPFileSystem)
+    ftp.protocol = FTPFileSystem.protocol
+    assert storage.child_url("ftp://alice@host:2121/data/*.txt", ftp, "/data/*.txt", "/data/a.txt") == \
+        "ftp://alice@host:2121/data/a.txt"  # unstrip_protocol alone gives ftp:///data/a.txt
+    url = "http://127.0.0.1:8/data/a.txt?X-Amz-Signature=s"
+    assert storage.child_url(url, HTTPFileSystem(), url, url) == url  # not http://http://...
+    memory = MemoryFileSystem()
+    assert storage.child_url("memory://corpus/", memory, "/corpus", "/corpus/a.txt") == "memory:///corpus/a.txt"
+    assert storage.child_url("simplecache::memory://corpus/", memory, "/corpus", "/corpus/a.txt") == \
+        "simplecache::memory://corpus/a.txt"  # the chained cache stays
+
+
 def test_an_unset_environment_variable_is_a_config_error():
     cfg = cfg_with({"secret": "${oc.env:MINGPT_SURELY_UNSET_VAR}"})
     with pytest.raises(ConfigError, match="trainer.storage_options"):

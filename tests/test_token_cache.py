@@ -3,8 +3,10 @@ bit-identical to encoding the whole text in memory; many files; the cache; bad i
 import dataclasses
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -147,12 +149,70 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     wider = first.chars + "~"
     corpus, with_vocab = load(tmp_path / "text.txt", cache, vocab=wider)
     assert with_vocab.name != first.name and corpus.vocab.chars == wider
-    assert sorted(os.listdir(cache / "tokens")) == sorted([first.name, with_vocab.name, first.name.rsplit("-", 1)[0] + ".json"])
+    files = os.listdir(cache / "tokens")
+    assert sorted(n for n in files if not n.endswith(".json")) == sorted([first.name, with_vocab.name])
+    assert len([n for n in files if n.endswith(".json")]) == 1  # one index entry: the text was read once
     with open(tmp_path / "text.txt", "a") as f:
         f.write("more text")
     corpus, third = load(tmp_path / "text.txt", cache)
     assert third.name != first.name and corpus.vocab.decode(corpus.tokens[-9:]) == "more text"
-    assert first.name not in os.listdir(cache / "tokens")  # the stale version is gone
+    # The earlier version may still be in use (by another node sharing the cache): it stays
+    # until nobody has used it for a day.
+    assert first.name in os.listdir(cache / "tokens")
+    day_ago = time.time() - token_cache.UNUSED_FOR_S - 60
+    for name in (first.name, with_vocab.name):
+        os.utime(cache / "tokens" / name, (day_ago, day_ago))
+    load(tmp_path / "text.txt", cache)
+    left = os.listdir(cache / "tokens")
+    assert first.name not in left and with_vocab.name not in left and third.name in left
+
+
+def test_nodes_with_their_own_copy_of_one_path_share_a_cache_without_deleting_each_others_files(
+        tmp_path, small_corpus):
+    """Per-node copies of the text at the same path (other modification times) and one
+    cache on a shared filesystem: a node never deletes the token file another node has
+    just made and is about to map (item 4)."""
+    text, cache = tmp_path / "corpus.txt", tmp_path / "shared-cache"
+    text.write_bytes(small_corpus.read_bytes())
+    node_a_mtime, node_b_mtime = 1_600_000_000_000_000_000, 1_700_000_000_000_000_000
+    os.utime(text, ns=(node_a_mtime, node_a_mtime))
+    node_a = token_cache.prepare(str(text), None, {}, str(cache), 0.0)
+    os.utime(text, ns=(node_b_mtime, node_b_mtime))  # node B's copy: same path, same text, another mtime
+    node_b = token_cache.prepare(str(text), None, {}, str(cache), 0.0)
+    for made in (node_a, node_b):  # then each node's ranks map their node's file
+        tokens = token_cache.open_tokens(made, str(cache))
+        assert Vocabulary(made.chars).decode(tokens[:200]) == small_corpus.read_text()[:200]
+    assert node_b.encode_s is None and node_b.name == node_a.name  # the same text: encoded once
+    os.utime(text, ns=(node_a_mtime, node_a_mtime))
+    again = token_cache.prepare(str(text), None, {}, str(cache), 0.0)
+    assert again.encode_s is None and again.name == node_a.name
+
+
+def test_other_text_under_the_same_path_size_and_mtime_is_never_taken_for_the_cached_one(tmp_path):
+    """Name, size and modification time do not decide what a file holds (a per-node copy
+    made with preserved times, an image built with fixed mtimes): the cache must not hand
+    out another text's token file."""
+    text, cache = tmp_path / "corpus.txt", tmp_path / "cache"
+    text.write_text("abcdefgh" * 500)
+    os.utime(text, ns=(1_000_000_000, 1_000_000_000))
+    first, _ = load(text, cache)
+    text.write_text("hgfedcba" * 500)  # same size
+    os.utime(text, ns=(1_000_000_000, 1_000_000_000))  # same mtime
+    second, _ = load(text, cache)
+    assert second.vocab.decode(second.tokens[:8]) == "hgfedcba"
+
+
+def test_a_token_file_that_is_missing_at_open_is_explained_by_what_happened(tmp_path, small_corpus):
+    cache = tmp_path / "cache"
+    made = token_cache.prepare(str(small_corpus), None, {}, str(cache), 0.0)
+    with pytest.raises(ConfigError) as err:  # this process resolves another data.cache_dir
+        token_cache.open_tokens(made, str(tmp_path / "elsewhere"))
+    assert "data.cache_dir" in str(err.value) and str(tmp_path / "elsewhere") in str(err.value)
+    assert str(cache) in str(err.value)
+    os.unlink(cache / "tokens" / made.name)  # the same directory, but the file was removed meanwhile
+    with pytest.raises(ConfigError) as err:
+        token_cache.open_tokens(made, str(cache))
+    assert "was removed or truncated" in str(err.value) and "data.cache_dir" not in str(err.value)
 
 
 # ---- bad input -------------------------------------------------------------------------------
@@ -302,32 +362,67 @@ def test_a_60mb_corpus_trains_under_torchrun_with_bounded_memory(tmp_path, shake
     assert peak_gb < 0.7, f"peak RSS of a process {peak_gb:.2f} GB"
 
 
-@pytest.mark.slow
-def test_nodes_may_keep_their_own_copies_of_the_text_but_not_other_text(tmp_path, small_corpus):
-    """Two torchrun agents on this host stand for two nodes, each reading its own file
-    (another path, another modification time: another token file name)."""
+def two_nodes(tmp_path, name, data_path, node_env, wrap=lambda node, cmd: cmd):
+    """Two torchrun agents on this host standing for two nodes (one worker each); node i
+    runs with the environment node_env(i) and the command wrap(i, command)."""
     import socket
 
-    copies = [tmp_path / "node0.txt", tmp_path / "node1.txt"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen(
+        wrap(node, [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}", f"--rdzv_id={name}", MAIN, *TINY,
+                    f"hydra.run.dir={tmp_path / name}", f"data.path={data_path}", "trainer.max_steps=2"]),
+        cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **node_env(node)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare(1): each node gets a private mount namespace")
+def test_nodes_may_keep_their_own_copies_of_the_text_and_caches_but_not_other_text(tmp_path, small_corpus):
+    """Each node has its own copy of the text at the same path (another modification time;
+    a private mount namespace per agent binds the node's directory there). With one cache
+    on a shared filesystem, each node used to delete the token file the other had just made
+    (item 4); with a cache per node, a rank must find its node's token file by its agent,
+    not by the host name that both agents share (as containers with host networking do)."""
+    common = tmp_path / "corpora"
+    common.mkdir()
+    copies = [tmp_path / f"node{node}" / "text.txt" for node in (0, 1)]
     for copy in copies:
+        copy.parent.mkdir()
         copy.write_bytes(small_corpus.read_bytes())
     os.utime(copies[1], ns=(1, 1))
+    shared_cache = lambda node: {"MINGPT_DDP_CACHE": str(tmp_path / "shared-cache")}  # noqa: E731
+    own_cache = lambda node: {"MINGPT_DDP_CACHE": str(tmp_path / f"cache{node}")}  # noqa: E731
 
-    def two_nodes(paths, name):
+    def two_nodes(name, cache, own_host_names=False):
+        """Two torchrun agents on this host stand for two nodes, one worker each (with their
+        own host names in their own UTS namespaces, or both with this host's)."""
+        import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         procs = [subprocess.Popen(
-            [TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-             f"--rdzv_id={name}", MAIN, *TINY, f"hydra.run.dir={tmp_path / name}", f"data.path={path}",
-             "trainer.max_steps=2"], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for path in paths]
+            ["unshare", "--mount", "--propagation", "private", *(["--uts"] if own_host_names else []), "sh", "-c",
+             (f"hostname node{node}-{os.getpid()} && " if own_host_names else "")
+             + f'mount --bind {copies[node].parent} {common} && exec "$@"', "sh",
+             TORCHRUN, "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+             "--local_addr=127.0.0.1",
+             f"--rdzv_id={name}", MAIN, *TINY, f"hydra.run.dir={tmp_path / name}", f"data.path={common}/text.txt",
+             "trainer.max_steps=2"], cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1", **cache(node)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
         return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
-    same = two_nodes(copies, "same")
-    assert all(rc == 0 for rc, _ in same), same
+    shared = two_nodes("shared", shared_cache, own_host_names=True)
+    assert all(rc == 0 for rc, _ in shared), shared
+    own = two_nodes("own", own_cache)
+    assert all(rc == 0 for rc, _ in own), own
     copies[1].write_text(small_corpus.read_text()[:30_000])
-    other = two_nodes(copies, "other")
+    other = two_nodes("other", own_cache)
     assert all(rc != 0 for rc, _ in other), other
     assert "read another text for data.path=" in "".join(text for _, text in other)
 

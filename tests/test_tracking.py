@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, output, read_metrics, run_cli
+from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +130,102 @@ def test_an_unreachable_mlflow_server_is_a_clear_error(tmp_path, small_corpus):
     assert proc.returncode == 2, output(proc)
     assert f"error: cannot open an MLflow run at http://127.0.0.1:{port}" in output(proc)
     assert "Traceback" not in output(proc)
+
+
+# A real MLflow tracking server on 127.0.0.1: MLflow's own REST app (file store) under
+# werkzeug, behind HTTP basic auth as a deployment would put it, so a run that lost its
+# credentials fails.
+MLFLOW_SERVER = """
+import base64, os, sys
+from werkzeug.serving import make_server
+port, store, user, password = sys.argv[1:5]
+os.environ.update(_MLFLOW_SERVER_FILE_STORE=store, _MLFLOW_SERVER_ARTIFACT_ROOT=store + "-artifacts",
+                  _MLFLOW_SERVER_SERVE_ARTIFACTS="false", MLFLOW_ALLOW_FILE_STORE="true")
+from mlflow.server import app
+expected = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+def basic_auth(environ, start_response):
+    if environ.get("PATH_INFO") != "/health" and environ.get("HTTP_AUTHORIZATION") != expected:
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Basic")])
+        return [b"unauthorized"]
+    return app(environ, start_response)
+make_server("127.0.0.1", int(port), basic_auth, threaded=True).serve_forever()
+"""
+MLFLOW_USER, MLFLOW_PASSWORD = "alice", "tracking-pw-7f3a9c"
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow.server")
+    import socket
+    import urllib.request
+
+    root = tmp_path_factory.mktemp("mlflow-server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(root / "server.log", "w")
+    server = subprocess.Popen([PYTHON, "-c", MLFLOW_SERVER, str(port), str(root / "mlruns"), MLFLOW_USER,
+                               MLFLOW_PASSWORD], env=tracked_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, (root / "server.log").read_text()
+                time.sleep(0.25)
+        yield f"127.0.0.1:{port}", root / "mlruns"
+    finally:
+        server.terminate()
+        server.wait()
+        log.close()
+
+
+def assert_password_nowhere(text, *directories):
+    assert MLFLOW_PASSWORD not in text, text
+    for directory in directories:
+        for path in directory.rglob("*"):
+            assert MLFLOW_PASSWORD not in path.name, path
+            if path.is_file():
+                assert MLFLOW_PASSWORD.encode() not in path.read_bytes(), path
+
+
+def test_mlflow_credentials_in_a_tracking_uri_are_used_but_never_shown_or_stored(tmp_path, small_corpus,
+                                                                                 mlflow_server, monkeypatch):
+    """In MLFLOW_TRACKING_URI, or logger.mlflow.tracking_uri from the environment: the run
+    logs to the server that asks for them, and the password reaches no output, no file of
+    the run (.hydra/, loggers.json, the snapshot's config and logger run ids) and no
+    parameter of the MLflow run. Written literally into the config it is refused."""
+    from mlflow.tracking import MlflowClient
+
+    host, store = mlflow_server
+    uri = f"http://{MLFLOW_USER}:{MLFLOW_PASSWORD}@{host}"
+    runs = {"env": ([], tracked_env(MLFLOW_TRACKING_URI=uri)),
+            "interpolated": (["logger.mlflow.tracking_uri=${oc.env:I22_TRACKING_URI}"],
+                             tracked_env(I22_TRACKING_URI=uri))}
+    for name, (extra, env) in runs.items():
+        run_dir = tmp_path / name
+        text = train(run_dir, small_corpus, "logger=mlflow", "trainer.max_steps=5", f"logger.mlflow.experiment={name}",
+                     *extra, nproc=0, env=env)
+        assert_password_nowhere(text, run_dir, store)
+        snapshot = load_snapshot(run_dir / "snapshot.pt")
+        assert MLFLOW_PASSWORD not in repr(snapshot["config"]) + repr(snapshot["logger_runs"])
+        assert json.loads((run_dir / "loggers.json").read_text())["mlflow"]["tracking_uri"] == f"http://{host}"
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", MLFLOW_USER)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", MLFLOW_PASSWORD)
+    client = MlflowClient(tracking_uri=f"http://{host}")
+    for name in runs:
+        [run] = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+        assert run.info.status == "FINISHED" and [m.step for m in client.get_metric_history(run.info.run_id,
+                                                                                            "train_loss")] == [5]
+        assert MLFLOW_PASSWORD not in repr(run.data.params) + repr(run.data.tags)
+
+    literal = subprocess_run([*TINY, f"hydra.run.dir={tmp_path / 'literal'}", f"data.path={small_corpus}",
+                              "logger=mlflow", f"logger.mlflow.tracking_uri={uri}"], 0, tracked_env())
+    text = output(literal)
+    assert literal.returncode == 2 and text.count("error: logger.mlflow.tracking_uri: secrets must not") == 1, text
+    assert_password_nowhere(text, tmp_path / "literal")
 
 
 def wandb_records(path):

@@ -1,0 +1,61 @@
+"""Encode a corpus ahead of a job, e.g. on the head node, into the token cache the job uses:
+
+    python -m mingpt_ddp.prepare data.path='/fsx/corpora/fineweb/*.parquet' data.tokenizer=bpe \
+        data.vocab_size=32768 data.cache_dir=/fsx/cache/tokens
+
+Arguments are the training run's overrides (`data.*`, `experiment=...`; the rest of the
+config is ignored): the job then finds the token file (and the trained BPE) made and
+starts without reading the text. With data.cache_dir on storage every node shares, this
+one process encodes for the whole cluster; on node-local caches run it on every node
+(`srun --ntasks-per-node=1 python -m mingpt_ddp.prepare ...`). Prints what it made.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+from mingpt_ddp import config, storage, token_cache
+from mingpt_ddp.errors import ConfigError
+
+USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe data.vocab_size=N data.cache_dir=DIR ...]"
+
+
+def prepare(overrides: list[str]) -> token_cache.TokenFile:
+    from mingpt_ddp.main import tokenization
+
+    cfg = config.compose(overrides, job_name="prepare")
+    storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
+    options = storage.resolve_options(cfg.data.storage_options, "data.storage_options")
+    storage.remember_secrets(storage.secret_option_values(options))
+    return token_cache.prepare(cfg.data.path, cfg.data.download_url, options, cfg.data.cache_dir,
+                               cfg.trainer.load_retry_minutes, tokenization=tokenization(cfg.data))
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or any(a in ("-h", "--help") for a in argv):
+        print(__doc__.strip() + "\n\n" + USAGE, file=sys.stderr)
+        raise SystemExit(0 if argv else ConfigError.exit_code)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    storage.redact_logs()
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        made = prepare(argv)
+    except ConfigError as exc:
+        print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    except (HydraException, OmegaConfBaseException) as exc:  # an unknown key or a wrong type
+        print(f"error: {storage.redact(str(exc).splitlines()[0])}\n{USAGE}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    where = os.path.join(token_cache.tokens_dir(config.compose(argv, job_name="prepare").data.cache_dir), made.name)
+    how = (f"encoded in {made.encode_s:.1f} s ({made.corpus_bytes / 1e6 / max(made.encode_s, 1e-9):.1f} MB/s)"
+           if made.encode_s is not None else "already there: nothing to do")
+    print(f"{made.corpus}: {made.corpus_bytes / 1e6:,.1f} MB -> {made.length:,} tokens ({made.dtype}) in {where}; {how}")
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,97 @@
+"""Stop signals and torch.compile's worker processes (issue 23 item 10). Slurm signals every
+process of a step; inductor's compile sidecar and its workers (started where Triton is, i.e.
+on GPUs) would die of SIGUSR1/SIGTERM by default, so a compile in progress fails or hangs.
+The trainer starts them with the stop signals blocked. This CPU build of torch has no Triton
+and starts no workers itself: the test has inductor start the ones a GPU build starts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from conftest import REPO
+
+SCRIPT = """import os, signal, sys, time
+import torch._inductor.async_compile as ac
+ac.has_triton_package = lambda: True  # a CPU build has no Triton: start the workers a GPU build starts
+from mingpt_ddp import preemption
+
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+if sys.argv[1] == "shielded":
+    preemption.shield_compile_workers()
+else:
+    ac.maybe_warm_pool()
+pool = ac.AsyncCompile.process_pool()
+print("first job:", pool.submit(ac.AsyncCompile._get_ready).result(timeout=300), flush=True)
+
+def parent_of(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]) if fields[0] != "Z" else None
+    except OSError:
+        return None
+
+def descendants(pid):
+    pids = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c in pids if parent_of(c) == p]
+        found += kids
+        frontier += kids
+    return found
+
+workers = descendants(os.getpid())
+print("compile processes:", len(workers), flush=True)
+os.killpg(os.getpgid(0), signal.SIGUSR1)
+time.sleep(2)
+alive = [p for p in workers if parent_of(p) is not None]
+print("trainer handler got", got, "| alive after SIGUSR1:", len(alive), "of", len(workers), flush=True)
+try:
+    print("second job:", pool.submit(ac.AsyncCompile._get_ready).result(timeout=float(sys.argv[2])), flush=True)
+except Exception as exc:
+    print("second job failed:", type(exc).__name__, exc, flush=True)
+os._exit(0)
+"""
+
+
+def run(tmp_path, how: str, wait_s: float) -> str:
+    path = tmp_path / "workers.py"
+    path.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(path), how, str(wait_s)], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=300, start_new_session=True)  # its own process group
+    return proc.stdout + proc.stderr
+
+
+def test_sigusr1_to_the_process_group_spares_shielded_compile_workers(tmp_path):
+    text = run(tmp_path, "shielded", 120)
+    assert "compile processes: " in text, text
+    assert "trainer handler got [10]" in text, text  # the trainer still gets its stop signal
+    total = int(text.split("compile processes: ")[1].split()[0])
+    assert total >= 2 and f"alive after SIGUSR1: {total} of {total}" in text, text
+    assert "second job: ready" in text, text
+
+
+def test_without_the_shield_the_same_signal_kills_them(tmp_path):
+    """What the trainer did before: the workers die and the next compile job never returns."""
+    text = run(tmp_path, "unshielded", 5)
+    assert "alive after SIGUSR1: 0 of" in text and "second job failed" in text, text
+
+
+def test_a_compiled_trainer_shields_its_workers_before_training(shakespeare, monkeypatch):
+    import torch
+
+    from mingpt_ddp import trainer as trainer_module
+    from test_gpu_path import make_trainer
+
+    shielded = []
+    monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: shielded.append(True))
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
+    make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=True).fit()
+    assert shielded == [True]
+    make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=False).fit()
+    assert shielded == [True]

@@ -1,0 +1,132 @@
+"""data.path as an http(s):// URL, against a real HTTP server on 127.0.0.1: a presigned URL
+is read, and its query's secrets reach no file, file name, log line or output."""
+import logging
+import os
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from conftest import TINY, output, run_cli
+from mingpt_ddp import token_cache
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
+
+pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the http extra)")
+
+CREDENTIAL = "AKIAI44QH8DHBEXAMPLE"
+SIGNATURE = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9a0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e"
+SESSION_TOKEN = "IQoJb3JpZ2luX2VjEHAaCXVzLWVhc3QtMSJH"
+
+
+class PresignedHandler(SimpleHTTPRequestHandler):
+    """Serves a directory like S3 serves a presigned URL: only with the right signature."""
+
+    signature = SIGNATURE
+
+    def send_head(self):
+        query = parse_qs(urlsplit(self.path).query)
+        if query.get("X-Amz-Signature") != [self.signature]:
+            self.send_error(403, "SignatureDoesNotMatch")
+            return None
+        return super().send_head()
+
+    def log_message(self, format, *args):  # quiet: the test's output is the trainer's
+        pass
+
+
+@pytest.fixture
+def http_server(tmp_path):
+    served = tmp_path / "served"
+    served.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(PresignedHandler, directory=str(served)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield served, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def presigned(base: str, name: str, signature: str = SIGNATURE, date: str = "20250101T000000Z") -> str:
+    return (f"{base}/{name}?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={CREDENTIAL}%2F20250101%2Fus-east-1"
+            f"%2Fs3%2Faws4_request&X-Amz-Date={date}&X-Amz-Expires=3600&X-Amz-SignedHeaders=host"
+            f"&X-Amz-Security-Token={SESSION_TOKEN}&X-Amz-Signature={signature}")
+
+
+def assert_no_secret(paths, *texts):
+    for text in texts:
+        for secret in (CREDENTIAL, SIGNATURE, SESSION_TOKEN):
+            assert secret not in text, text
+    for path in paths:
+        assert "?" not in path.name and "&" not in path.name, path
+        if path.is_file():
+            content = path.read_bytes()
+            for secret in (CREDENTIAL, SIGNATURE, SESSION_TOKEN):
+                assert secret.encode() not in content, path
+
+
+def load(url, cache):
+    made = token_cache.prepare(url, None, {}, str(cache), 0.0)
+    tokens = token_cache.open_tokens(made, str(cache))
+    return CharCorpus.from_tokens(tokens, Vocabulary(made.chars), 0.1), made
+
+
+def test_a_presigned_http_url_is_read_and_its_secrets_stay_out_of_the_cache(http_server, tmp_path, small_corpus,
+                                                                             caplog):
+    served, base = http_server
+    (served / "corpus.txt").write_bytes(small_corpus.read_bytes())
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO):
+        corpus, made = load(presigned(base, "corpus.txt"), cache)
+    assert corpus.vocab.decode(corpus.tokens) == small_corpus.read_text()
+    assert made.corpus.startswith(f"{base}/corpus.txt?") and "X-Amz-Signature=<redacted>" in made.corpus
+    files = list(cache.rglob("*"))
+    assert_no_secret(files, caplog.text, made.corpus)
+
+    # Presigned again (another signature and date): the same object, so this node's copy
+    # and token file are reused, and no second copy is made.
+    PresignedHandler.signature = "0" * 64
+    try:
+        again, second = load(presigned(base, "corpus.txt", "0" * 64, "20250102T000000Z"), cache)
+    finally:
+        PresignedHandler.signature = SIGNATURE
+    assert second.encode_s is None and second.name == made.name
+    assert sorted(cache.rglob("*")) == sorted(files)
+
+    # Changed at the server: fetched and encoded again.
+    (served / "corpus.txt").write_text("a new text\n" * 500)
+    os.utime(served / "corpus.txt", (1, 2_000_000_000))  # Last-Modified changes whatever the clock
+    changed, third = load(presigned(base, "corpus.txt"), cache)
+    assert changed.vocab.decode(changed.tokens[:11]) == "a new text\n" and third.name != made.name
+    assert_no_secret(cache.rglob("*"))
+
+
+def test_a_missing_or_refused_http_url_is_one_clear_error(http_server, tmp_path):
+    served, base = http_server
+    (served / "corpus.txt").write_text("text\n")
+    for url, message in ((presigned(base, "nope.txt"), "data file not found"),
+                         (presigned(base, "corpus.txt", signature="f" * 64), "cannot read data file")):
+        with pytest.raises(token_cache.ConfigError, match=message) as err:
+            load(url, tmp_path / "cache")
+        assert_no_secret([], str(err.value))
+        assert "f" * 64 not in str(err.value)
+
+
+def test_training_from_a_presigned_http_url_leaves_no_secret_anywhere(http_server, tmp_path, small_corpus):
+    """As a user would: the CLI with data.path a presigned URL on a loopback server."""
+    served, base = http_server
+    (served / "input.txt").write_bytes(small_corpus.read_bytes())
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = run_cli([*TINY, f"hydra.run.dir={run_dir}", f"data.path='{presigned(base, 'input.txt')}'",
+                    f"data.cache_dir={cache}", "trainer.max_steps=2"], timeout=240)
+    text = output(proc)
+    assert proc.returncode == 0, text
+    assert "done: step 2" in text and "X-Amz-Signature=<redacted>" in text
+    written = [*run_dir.rglob("*"), *cache.rglob("*")]
+    assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
+    assert_no_secret(written, text)
+    assert not any(Path(p).name.startswith("http") for p in written)

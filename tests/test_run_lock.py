@@ -1,0 +1,464 @@
+"""One live run per snapshot location (mingpt_ddp/run_lock.py), tried with real processes:
+holders in other PID namespaces (`unshare`), SIGKILLed holders, two steps of one Slurm job,
+two runs taking over one stale lock at the same time, the requests an S3 server really
+receives (through a recording proxy on loopback), and a run that loses its lock."""
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, run_cli, s3_options
+from test_fault_tolerance import metrics_lines, wait_for
+from test_run_edges import expect_config_error, must_pass
+
+JOB_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
+            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+@pytest.fixture
+def no_job(monkeypatch):
+    """This test process belongs to no Slurm job or torchrun run unless the test says so."""
+    for var in JOB_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def lock_store(url, options=None):
+    from mingpt_ddp.snapshot import SnapshotStore
+
+    return SnapshotStore(str(url), storage_options=options)
+
+
+def new_lock(url, options=None, **kwargs):
+    from mingpt_ddp.run_lock import RunLock
+
+    return RunLock(lock_store(url, options), **kwargs)
+
+
+def s3_url(server):
+    bucket = f"lock-{uuid.uuid4().hex[:12]}"
+    server.make_bucket(bucket)
+    return f"s3://{bucket}/run/snapshot.pt"
+
+
+def where_to_lock(where, tmp_path, request):
+    """(snapshot URL, storage options) of a local directory or a bucket on a real S3 server."""
+    if where == "local":
+        return tmp_path / "snapshot.pt", None
+    server = request.getfixturevalue(where)
+    return s3_url(server), s3_options(server)
+
+
+def lock_key(url):
+    return str(url).rsplit("/", 1)[0] + "/.snapshot.lock"
+
+
+def read_owner(url, options=None):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(lock_key(url), **(options or {}))
+    fs.invalidate_cache()
+    return json.loads(fs.cat_file(path))
+
+
+def write_owner(url, options=None, **fields):
+    """A lock record left by another run: another machine (no boot id of ours), 60 s old."""
+    import fsspec
+
+    owner = {"host": "elsewhere", "pid": 4242, "pid_start": None, "job": None, "started": time.time() - 60,
+             "heartbeat": time.time(), "token": "other"}
+    owner.update(fields)
+    fs, path = fsspec.core.url_to_fs(lock_key(url), **(options or {}))
+    fs.pipe_file(path, json.dumps(owner).encode())
+    return owner
+
+
+HOLDER = """
+import json, os, sys
+from mingpt_ddp.snapshot import SnapshotStore
+from mingpt_ddp.run_lock import RunLock
+lock = RunLock(SnapshotStore(sys.argv[1], storage_options=json.loads(sys.argv[2]) or None))
+lock.acquire()
+print("held", os.getpid(), flush=True)
+sys.stdin.read()  # hold it until the test closes stdin (or kills this process)
+lock.release()
+"""
+
+
+@contextmanager
+def holding(url, options=None, env=None, namespace=False, log=None):
+    """A real process that takes the lock and holds it; with `namespace`, in a PID namespace
+    of its own (as in another container on this host: same host name, same kernel)."""
+    cmd = [PYTHON, "-c", HOLDER, str(url), json.dumps(options or {})]
+    if namespace:
+        cmd = ["unshare", "--pid", "--mount-proc", "--kill-child", *cmd]
+    full_env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    full_env.update(env or {})
+    with open(log or os.devnull, "w") as err:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                cwd=REPO, env=full_env)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("held"), (line, Path(log).read_text() if log else "")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([PYTHON, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def no_flock(fd, operation):
+    """fcntl.flock as on a filesystem without it (Lustre mounted with noflock)."""
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def no_links(source, target):
+    raise OSError(errno.EPERM, "Operation not permitted")
+
+
+def can_make_pid_namespaces():
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    return subprocess.run(["unshare", "--pid", "--mount-proc", "--kill-child", "true"],
+                          capture_output=True).returncode == 0
+
+
+needs_pid_namespaces = pytest.mark.skipif(not can_make_pid_namespaces(),
+                                          reason="needs root and unshare to make a PID namespace")
+
+
+# ---- the basics ---------------------------------------------------------------------------
+def test_a_live_run_is_refused_a_dead_one_replaced_and_the_lock_removed_at_the_end(tmp_path, no_job):
+    from mingpt_ddp.errors import ConfigError
+
+    url = tmp_path / "snapshot.pt"
+    first = new_lock(url)
+    first.acquire()
+    with pytest.raises(ConfigError, match=f"another run is live on these snapshots \\(host {socket.gethostname()}, "
+                                          f"pid {os.getpid()}, no Slurm job or torchrun run id, since"):
+        new_lock(url).acquire()
+    with pytest.raises(ConfigError, match="another run is live"):
+        new_lock(url).check_free()  # the read-only check before Hydra writes .hydra/
+    first.release()
+    assert not (tmp_path / ".snapshot.lock").exists()
+    for stale in ({"heartbeat": time.time() - 3600},  # another machine, heartbeat an hour old
+                  {"heartbeat": time.time() - 3600, "job": "slurm job 77"}):
+        write_owner(url, **stale)
+        lock = new_lock(url)
+        lock.check_free()
+        lock.acquire()
+        assert read_owner(url)["token"] == lock.token
+        lock.release()
+    write_owner(url, job="slurm job 77")  # alive on another machine (recent heartbeat)
+    with pytest.raises(ConfigError, match="host elsewhere, pid 4242, slurm job 77"):
+        new_lock(url).acquire()
+    # This host's name and a pid that is not running here, but no boot id and PID namespace
+    # of ours (another container with host networking): the pid proves nothing, the
+    # heartbeat is recent.
+    write_owner(url, host=socket.gethostname(), pid=dead_pid())
+    with pytest.raises(ConfigError, match=f"host {socket.gethostname()}, pid"):
+        new_lock(url).acquire()
+
+
+@pytest.mark.parametrize("where", ["local", "local-without-flock", pytest.param("moto_s3", marks=pytest.mark.slow)])
+def test_a_sigkilled_holder_is_replaced_at_once(where, tmp_path, request, no_job):
+    """Local disks: the kernel dropped its lock. Without a kernel lock (S3, or a mount
+    without flock): its pid is gone, which counts on the same machine and PID namespace."""
+    if where == "local-without-flock":  # this process only: the holder took a kernel lock
+        no_job.setattr(fcntl, "flock", no_flock)
+        where = "local"
+    url, options = where_to_lock(where, tmp_path, request)
+    with holding(url, options) as holder:
+        holder.kill()
+        holder.wait()
+    start = time.monotonic()
+    lock = new_lock(url, options)
+    lock.acquire()
+    assert time.monotonic() - start < 5
+    lock.release()
+
+
+# ---- item 2: a live holder in another PID namespace on this host -------------------------
+@pytest.mark.slow
+@needs_pid_namespaces
+@pytest.mark.parametrize("where", ["local", "moto_s3"])
+def test_a_live_run_in_another_pid_namespace_on_this_host_is_not_taken_over(where, tmp_path, request, no_job):
+    """Two containers with host networking: same host name, same kernel, different PID
+    namespaces. The holder's pid means nothing here, its heartbeat is fresh: refused."""
+    from mingpt_ddp.errors import ConfigError
+
+    url, options = where_to_lock(where, tmp_path, request)
+    with holding(url, options, namespace=True, log=tmp_path / "holder.log") as holder:
+        owner = read_owner(url, options)
+        assert owner["host"] == socket.gethostname() and owner["pid"] != holder.pid
+        with pytest.raises(ConfigError, match="another run is live on these snapshots"):
+            new_lock(url, options).acquire()
+        assert read_owner(url, options)["token"] == owner["token"]
+        if where == "local":  # the kernel releases its lock when the holder dies, whatever its namespace
+            holder.kill()
+            holder.wait()
+            lock = new_lock(url, options)
+            lock.acquire()
+            lock.release()
+
+
+# ---- item 3: the same Slurm job id ---------------------------------------------------------
+def test_a_live_step_of_the_same_slurm_job_is_refused(tmp_path, no_job):
+    """Two srun steps of one allocation share SLURM_JOB_ID: two runs, not a restart."""
+    from mingpt_ddp.errors import ConfigError
+
+    url = tmp_path / "snapshot.pt"
+    with holding(url, env={"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}) as holder:
+        no_job.setenv("SLURM_JOB_ID", "4242")
+        no_job.setenv("SLURM_STEP_ID", "1")
+        with pytest.raises(ConfigError, match="another run is live on these snapshots .*slurm job 4242"):
+            new_lock(url).check_free()
+        with pytest.raises(ConfigError, match="another run is live on these snapshots .*slurm job 4242"):
+            new_lock(url).acquire()
+        holder.kill()  # the first step dies: the job's next step takes over at once
+        holder.wait()
+        lock = new_lock(url)
+        lock.acquire()
+        lock.release()
+
+
+@pytest.mark.slow
+def test_s3_lease_of_the_same_job_is_taken_over_only_by_a_later_restart(moto_s3, no_job):
+    from mingpt_ddp.errors import ConfigError
+
+    url, options = s3_url(moto_s3), s3_options(moto_s3)
+    live = {"job": "slurm job 77", "instance": {"slurm_job": "77", "slurm_restart": 0, "slurm_step": "0",
+                                                "torchrun": None, "torchrun_restart": 0}}
+    write_owner(url, options, **live)
+    no_job.setenv("SLURM_JOB_ID", "77")
+    no_job.setenv("SLURM_STEP_ID", "1")  # another step of the same allocation
+    with pytest.raises(ConfigError, match="another run is live on these snapshots .*slurm job 77"):
+        new_lock(url, options).acquire()
+    no_job.setenv("SLURM_RESTART_COUNT", "1")  # the job requeued: Slurm ended the first launch
+    no_job.setenv("SLURM_STEP_ID", "0")
+    lock = new_lock(url, options)
+    lock.acquire()
+    assert read_owner(url, options)["token"] == lock.token
+    lock.release()
+
+
+# ---- item 3: taking over a stale lock is atomic ---------------------------------------------
+@pytest.mark.parametrize("where", ["local", "local-without-flock", "local-without-flock-or-links",
+                                   pytest.param("moto_s3", marks=pytest.mark.slow),
+                                   pytest.param("seaweedfs", marks=pytest.mark.slow)])
+def test_two_runs_taking_over_one_stale_lock_leave_one_holder(where, tmp_path, request, no_job):
+    """B judges the stale owner gone; before B acts, A takes the lock over. B must not
+    remove A's fresh lock: exactly one of them holds it, and the lock names that one."""
+    from mingpt_ddp.errors import ConfigError
+    from mingpt_ddp.run_lock import RunLock
+
+    if where.startswith("local-without-flock"):  # as on Lustre mounted without flock
+        no_job.setattr(fcntl, "flock", no_flock)
+        if where.endswith("-or-links"):  # and a FUSE or SMB mount without hard links
+            no_job.setattr(os, "link", no_links)
+        where = "local"
+    url, options = where_to_lock(where, tmp_path, request)
+    write_owner(url, options, heartbeat=time.time() - 3600)
+    a, b = new_lock(url, options), new_lock(url, options)
+    outcome = {}
+    judge = RunLock.why_not_stale
+
+    def b_judging(self, owner):
+        verdict = judge(self, owner)
+        if self is b and "a" not in outcome:  # A takes the lock over while B decides
+            try:
+                a.acquire()
+                outcome["a"] = "held"
+            except ConfigError:
+                outcome["a"] = "refused"
+        return verdict
+
+    no_job.setattr(RunLock, "why_not_stale", b_judging)
+    try:
+        b.acquire()
+        outcome["b"] = "held"
+    except ConfigError:
+        outcome["b"] = "refused"
+    try:
+        assert sorted(outcome.values()) == ["held", "refused"], outcome
+        holder = a if outcome["a"] == "held" else b
+        assert read_owner(url, options)["token"] == holder.token
+    finally:
+        a.release()
+        b.release()
+
+
+# ---- item 3: what the S3 server receives ------------------------------------------------------
+@pytest.mark.slow
+def test_s3_lease_writes_are_conditional_as_the_server_receives_them(moto_s3, no_job):
+    """Creating sends If-None-Match: * (a second creator gets 412 and changes nothing),
+    taking over and renewing send If-Match on the ETag read: checked at a recording proxy."""
+    from s3_servers import RecordingProxy
+
+    from mingpt_ddp.errors import ConfigError
+
+    url = s3_url(moto_s3)
+    with RecordingProxy(moto_s3.endpoint) as proxy:
+        options = s3_options(moto_s3)
+        options["client_kwargs"]["endpoint_url"] = proxy.endpoint
+        first = new_lock(url, options)
+        first.acquire()
+        created = proxy.puts("/.snapshot.lock")
+        assert created and created[0]["headers"].get("if-none-match") == "*" and created[0]["status"] == 200
+        before = len(proxy.requests)
+        with pytest.raises(ConfigError, match="another run is live on these snapshots"):
+            new_lock(url, options).acquire()
+        second = [r for r in proxy.requests[before:] if r["method"] == "PUT"]
+        assert second and all(r["headers"].get("if-none-match") == "*" and r["status"] == 412 for r in second)
+        assert read_owner(url, options)["token"] == first.token  # nothing overwritten
+        first.release()
+        with pytest.raises(FileNotFoundError):  # removed at the end
+            read_owner(url, options)
+
+        stale = write_owner(url, s3_options(moto_s3), heartbeat=time.time() - 3600)  # past the proxy
+        etag = moto_s3.client().head_object(Bucket=url.split("/")[2], Key="run/.snapshot.lock")["ETag"]
+        before = len(proxy.requests)
+        third = new_lock(url, options, heartbeat_s=0.2)
+        third.acquire()
+        takeover = [r for r in proxy.requests[before:] if r["method"] == "PUT" and r["status"] == 200]
+        assert takeover[0]["headers"].get("if-match") == etag, (stale, proxy.requests[before:])
+        assert not [r for r in proxy.requests[before:] if r["method"] == "DELETE"]  # never remove, then create
+        before = len(proxy.requests)
+        wait_for(lambda: [r for r in proxy.requests[before:] if r["method"] == "PUT"], 10, "a heartbeat")
+        beats = [r for r in proxy.requests[before:] if r["method"] == "PUT"]
+        assert beats and all(r["headers"].get("if-match", "").startswith('"') for r in beats), beats
+        third.release()
+
+
+def test_s3_leases_are_refused_without_conditional_writes(no_job, monkeypatch):
+    """A botocore too old to send If-None-Match/If-Match (as with s3fs before 2024.12):
+    one clear error, not an unconditional PUT."""
+    from mingpt_ddp import storage
+    from mingpt_ddp.errors import ConfigError
+
+    monkeypatch.setattr(storage, "s3_put_parameters", lambda: {"Bucket", "Key", "Body"})
+    with pytest.raises(ConfigError, match=r"conditional writes .*pip install .*s3fs>=2024.12"):
+        new_lock("s3://bucket/run/snapshot.pt", {"key": "k", "secret": "s"}).acquire()
+
+
+# ---- item 3: a run that lost its lock stops -----------------------------------------------------
+@pytest.mark.parametrize("where", ["local", pytest.param("moto_s3", marks=pytest.mark.slow)])
+def test_a_lock_taken_from_its_holder_is_reported_lost(where, tmp_path, request, no_job):
+    from mingpt_ddp.run_lock import RunLock
+
+    url, options = where_to_lock(where, tmp_path, request)
+    first = new_lock(url, options, heartbeat_s=0.1)
+    first.acquire()
+    assert first.lost is None
+    if where == "local":
+        os.unlink(tmp_path / ".snapshot.lock")  # removed by hand, or by a run that thought it stale
+        second = new_lock(url, options)
+        second.acquire()
+    else:
+        second = RunLock(lock_store(url, options))
+        write_owner(url, options, token=second.token)  # another writer replaced the lease
+    wait_for(lambda: first.lost, 10, "the holder to notice")
+    assert "lost the run lock" in first.lost and "stops" in first.lost, first.lost
+    first.release()
+    assert read_owner(url, options)["token"] == second.token  # the loser removed nothing
+    if where == "local":
+        second.release()
+
+
+LOSER = """
+import runpy, sys
+from mingpt_ddp import run_lock
+run_lock.HEARTBEAT_S = 0.2
+sys.argv[0] = {main!r}
+runpy.run_path({main!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_run_that_lost_its_lock_stops_with_one_error(tmp_path, small_corpus, no_job):
+    """The lock file is replaced under a training run (removed by hand, then taken by
+    another run): at its next stop agreement the run stops on every rank, saves nothing
+    more, exits 2 with one error line, and leaves the new owner's lock alone."""
+    script = tmp_path / "loser.py"
+    script.write_text(LOSER.format(main=MAIN))
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}",
+           "trainer.max_epochs=100", "trainer.log_every=2"]
+    with open(tmp_path / "loser.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "training progress")
+        os.unlink(run_dir / ".snapshot.lock")
+        thief = new_lock(run_dir / "snapshot.pt")
+        thief.acquire()
+        start = time.monotonic()
+        rc = proc.wait(timeout=60)
+        text = (tmp_path / "loser.log").read_text()
+        assert rc == 2, text
+        assert time.monotonic() - start < 30, text
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "lost the run lock" in errors[0], text
+        assert "Traceback" not in text and "stopped by" not in text, text
+        assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
+        thief.release()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+# ---- done when: two runs of one job id in one directory, as a user starts them ------------------
+@pytest.mark.slow
+def test_two_runs_of_one_slurm_job_in_one_directory(tmp_path, small_corpus):
+    """Both default to outputs/slurm-<id> (two srun steps of one allocation): the second is
+    refused within 30 s and the live run's files are kept; the first SIGKILLed, a restart of
+    the job resumes at once."""
+    job = {"SLURM_JOB_ID": "918273", "PYTHONUNBUFFERED": "1"}
+    run_dir = tmp_path / "outputs" / "slurm-918273"
+    common = [*TINY, f"data.path={small_corpus}", "trainer.max_epochs=100", "trainer.snapshot_every_steps=10"]
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+
+    def start(name, step):
+        with open(tmp_path / f"{name}.log", "w") as log:
+            return subprocess.Popen([PYTHON, MAIN, *common], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, env={**env, **job, "SLURM_STEP_ID": step})
+
+    first = start("first", "0")
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first run training")
+        began = time.monotonic()
+        second = run_cli([*common, "trainer.seed=4242"], cwd=tmp_path, timeout=120,
+                         env={**job, "SLURM_STEP_ID": "1"})
+        line = expect_config_error(second, "another run is live", f"pid {first.pid}", "slurm job 918273")
+        assert time.monotonic() - began < 30, line
+        steps = [json.loads(r)["step"] for r in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert steps == sorted(steps), steps  # one writer
+        assert "4242" not in (run_dir / ".hydra" / "config.yaml").read_text()  # the live run's config kept
+        wait_for(lambda: list(run_dir.glob("snapshot*.pt")), 120, "a snapshot")
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert (run_dir / ".snapshot.lock").exists()  # left behind by the SIGKILL
+    saved = load_snapshot(run_dir / "snapshot.pt")["train_state"]["step"]
+    # The restart is not refused and waits for nothing (a stale heartbeat would take 5 minutes).
+    text = must_pass(run_cli([*common, f"trainer.max_steps={saved + 2}"], cwd=tmp_path, timeout=300,
+                             env={**job, "SLURM_STEP_ID": "0"}))
+    assert "left by a run that is gone" in text and f"resumed from {run_dir}" in text, text
