@@ -293,7 +293,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
         if sharded:  # every rank saves its own shard
             saver = parallel.ShardedSaver(store)
         else:
-            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
+            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
                           token_bytes=torch.from_numpy(tok.byte_lengths()),
                           resumed_precision=snapshot.get("precision") if found is not None else None)
