@@ -800,8 +800,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if dist.is_main:
         report(mode, result)
         write_json(options["out"], mode, result)
-    distributed.barrier()  # no rank leaves (and closes its connections) while another still reports
-    distributed.teardown()
+    # No rank leaves (and closes its connections) while another still reports; then the
+    # group is destroyed while Python is whole, as main.py does: left to interpreter exit,
+    # gloo can abort a finished run (see distributed.shutdown).
+    distributed.shutdown(clean=True)
     return 0
 
 
