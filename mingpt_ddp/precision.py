@@ -81,6 +81,9 @@ def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
     the best of `steps` timed passes after a warm-up one. The caller's model, its gradients
     and the global random generators are left as they were."""
     probe = copy.deepcopy(model).train()
+    if any(p.is_meta for p in probe.parameters()):  # built on the meta device (FSDP): time a filled-in copy
+        probe.to_empty(device="cpu")
+        probe.init_weights()
     plan = PrecisionPlan(name, "cpu")
     generator = torch.Generator().manual_seed(0)
     vocab = probe.cfg.vocab_size
