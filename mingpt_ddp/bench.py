@@ -106,16 +106,16 @@ def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
 
-    from mingpt_ddp import storage
+    from mingpt_ddp import parallel, storage
     from mingpt_ddp.main import load_corpus
-    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
     corpus, _ = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     model_cfg = GPTConfig(vocab_size=corpus.vocab.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
     metadata = {"vocab": corpus.vocab.chars, "model_config": dict(vars(model_cfg)),
                 "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))}
@@ -358,7 +358,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "block_size": trainer.block_size,
         "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
-        "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
+        "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         "ms_per_step": 1e3 * slowest / steps,

@@ -132,7 +132,9 @@ def preview(model: GPT, vocab: Vocabulary, run_dir: str, chars: int = 240, lines
     device = next(model.parameters()).device
     start = vocab.encode("\n" if "\n" in vocab.chars else vocab.chars[0]).long()[None].to(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    out = model.generate(start, chars, temperature=0.8, generator=generator)
+    # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
+    with torch.compiler.set_stance("force_eager"):
+        out = model.generate(start, chars, temperature=0.8, generator=generator)
     model.train(was_training)
     text = "\n".join(vocab.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
     shown = "\n".join("    " + line for line in text.splitlines())

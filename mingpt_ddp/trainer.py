@@ -91,7 +91,7 @@ class Trainer:
         self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
         self.device = dist.device
-        self.model = model.to(self.device)
+        self.model = model  # placed (or, built on the meta device, filled in) by the strategy
         self.block_size = model.cfg.block_size
         self.precision = precision.resolve(cfg.precision, self.device, measure_cpu=lambda: distributed.broadcast_object(
             precision.measured_cpu_choice(model, cfg.batch_size, self.block_size) if dist.is_main else None))
@@ -101,7 +101,6 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
-        self.forward_model = self.strategy.forward_model
         self.optimizer = self.strategy.make_optimizer(optim_cfg)
         self.scaler = self.strategy.grad_scaler()
         self.corpus = corpus
@@ -123,6 +122,7 @@ class Trainer:
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
         self._evaluated_windows = 0
+        self.grad_norm: Optional[torch.Tensor] = None  # the last step's, before clipping (when clipping)
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
@@ -269,7 +269,7 @@ class Trainer:
             total_loss += loss.detach()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            self.strategy.clip_grad_norm_(self.cfg.grad_clip)
+            self.grad_norm = self.strategy.clip_grad_norm_(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -290,18 +290,22 @@ class Trainer:
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         totals = torch.zeros(2, device=self.device, dtype=torch.float64)
-        # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
-        # a rank with fewer windows runs its last pass on a window it does not count.
+        # Every rank runs the same number of forward passes (FSDP gathers parameters in each),
+        # each on a full micro-batch, so the compiled eval graph never sees another shape: a
+        # short batch is filled up with windows whose targets are ignored (-100), none counted.
         for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
             chunk = mine[start:start + self.micro_batch]
             counted = len(chunk)
-            x, y = to_device(self.val_windows.gather(chunk if counted else torch.zeros(1, dtype=torch.long)), self.device)
+            filler = torch.zeros(self.micro_batch - counted, dtype=torch.long)
+            x, y = to_device(self.val_windows.gather(torch.cat([chunk, filler])), self.device)
+            # cross_entropy's ignore_index (-100) on the filler: the loss is the counted windows'
+            # mean. A new tensor in every pass (y is a view into x's block): one layout, one graph.
+            y = y.masked_fill(torch.arange(self.micro_batch, device=y.device)[:, None] >= counted, -100)
             with self.precision.autocast():
-                # Not the compiled model, which eval mode, no_grad and a short last batch would
-                # each make recompile (tens of seconds on a large model, every evaluation).
-                _, loss = self.model(x, y)
-            totals[0] += loss.double() * counted
-            totals[1] += counted
+                _, loss = self.strategy.eval_model(x, y)
+            if counted:
+                totals[0] += loss.double() * counted
+                totals[1] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
         val_loss = (totals[0] / totals[1]).item() if totals[1] > 0 else float("nan")
@@ -353,7 +357,7 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps = 0
         # The first window after start includes compiling the model (when compiled).
-        includes_compile = self.forward_model is not self.model
+        includes_compile = self.strategy.compiled
         timer = StepTimer(self.device)  # training steps only: evaluations and saves are paused out
         timer.resume()
         while not self.finished:
@@ -431,6 +435,8 @@ class Trainer:
         if self.datasheet_peak_flops is not None:
             record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
                                           self.dist.world_size)
+        if self.grad_norm is not None:  # computed for clipping anyway; the same on every rank
+            record["grad_norm"] = self.grad_norm.item()
         if includes_compile:
             record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
         self.metrics.write(record)
