@@ -21,7 +21,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as torch_dist
 
 from mingpt_ddp import distributed, parallel
 from mingpt_ddp.char_dataset import CharCorpus
