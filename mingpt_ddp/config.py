@@ -135,6 +135,10 @@ class TrainerConfig:
     # the whole split of a text up to a few MB, bounded on a big corpus; null: the whole split.
     final_eval_batches: Optional[int] = 200
     log_every: int = 10
+    # The ranks agree on stop signals at every log step and at least this often (seconds of
+    # wall time, at a step derived from the measured pace): keep it well under the
+    # scheduler's grace period between SIGTERM and SIGKILL (Slurm's KillWait, 30 s).
+    stop_check_seconds: float = 5.0
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
     # Also snapshot every N minutes of wall time (rank 0's clock); null: every
@@ -337,6 +341,7 @@ def validate(cfg: Any) -> None:
     for name in ("eval_batches", "final_eval_batches"):
         if t[name] is not None:
             _positive(t[name], f"trainer.{name}", "set it to null to evaluate the whole split")
+    _positive(t.stop_check_seconds, "trainer.stop_check_seconds", "set it to a few seconds, e.g. 5")
     if t.snapshot_every_steps is not None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
     if t.snapshot_every_minutes is not None and t.snapshot_every_minutes < 0:
@@ -354,6 +359,22 @@ def validate(cfg: Any) -> None:
     if t.load_retry_minutes < 0:
         raise ConfigError(f"trainer.load_retry_minutes={t.load_retry_minutes} must be >= 0 (0: no retries)")
     collective_timeout_minutes(t)
+
+
+def flat_resolved(cfg: Any) -> dict[str, Any]:
+    """Every value of a config (a DictConfig, resolved, or plain containers) by its dotted key."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = value
+
+    walk("", container)
+    return flat
 
 
 def collective_timeout_minutes(t: Any) -> float:

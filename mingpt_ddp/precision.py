@@ -110,11 +110,21 @@ def precision_cache_file() -> str:
     return os.path.join(base, "precision.json")
 
 
+def probe_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A training-mode copy of `model` to time; one built on the meta device (FSDP) is
+    filled in on the CPU first."""
+    probe = copy.deepcopy(model).train()
+    if any(p.is_meta for p in probe.parameters()):
+        probe.to_empty(device="cpu")
+        probe.init_weights()
+    return probe
+
+
 def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int, steps: int = 3) -> float:
     """Seconds of one forward and backward pass of a copy of `model` under `name`'s autocast:
     the best of `steps` timed passes after a warm-up one. The caller's model, its gradients
     and the global random generators are left as they were."""
-    probe = copy.deepcopy(model).train()
+    probe = probe_copy(model)
     pass_seconds(probe, name, batch_size, block_size)
     return min(pass_seconds(probe, name, batch_size, block_size) for _ in range(steps))
 
@@ -259,8 +269,11 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
         choice = "fp32"
         why = f"bf16 matmuls {slowdown:.1f}x slower than fp32 at this width (no fast bf16 instructions, or layers too narrow to gain); no pass run"
     else:
-        with _own_gradients(model):
-            choice, why, complete = _timed_passes(model, batch_size, block_size, slowdown, measure, calibrate,
+        # The model itself where it has weights (a copy of a large one costs much of the deadline);
+        # one built on the meta device (FSDP) is filled in on a copy first.
+        probe = probe_copy(model) if any(p.is_meta for p in model.parameters()) else model
+        with _own_gradients(probe):
+            choice, why, complete = _timed_passes(probe, batch_size, block_size, slowdown, measure, calibrate,
                                                   times, shape, deadline)
     entry = {"choice": choice, "why": why, "fp32_ms": [round(1e3 * t, 1) for t in times["fp32"]],
              "bf16_ms": [round(1e3 * t, 1) for t in times["bf16"]], "bf16_matmul_slowdown": round(slowdown, 2),

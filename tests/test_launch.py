@@ -399,7 +399,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
 
 
 def test_preflight_node_checks_name_the_node():
-    from mingpt_ddp.preflight import check_comm, check_nodes
+    from mingpt_ddp.preflight import check_comm, check_nodes, own_failure
 
     assert check_nodes([facts("gpu-1"), facts("gpu-2")]) is None
     problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=4)])
@@ -411,13 +411,20 @@ def test_preflight_node_checks_name_the_node():
     assert check_nodes([facts("cpu-1", workers=2, gpus=0), facts("cpu-2", workers=1, gpus=0)]) is None
 
     rows = [{"size": 1 << 20, "wrong": 0, "busbw_GBps": 40.0}, {"size": 1 << 28, "wrong": 0, "busbw_GBps": 180.5}]
-    nodes = [facts("gpu-1"), facts("gpu-2")]
-    assert check_comm({"ranks": 16, "rows": rows}, nodes, None) is None
-    assert check_comm({"ranks": 16, "rows": rows}, nodes, 150) is None
-    problem = check_comm({"ranks": 16, "rows": rows}, nodes, 300)
+    ranks = [facts("gpu-1")] * 8 + [facts("gpu-2")] * 8
+    fine = [None] * 16
+    assert check_comm({"ranks": 16, "rows": rows}, ranks, None, fine) is None
+    assert check_comm({"ranks": 16, "rows": rows}, ranks, 150, fine) is None
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, 300, fine)
     assert "busbw 180.500 GB/s at 268,435,456 bytes" in problem and "gpu-1, gpu-2" in problem, problem
     bad = [{**rows[0], "wrong": 3}, rows[1]]
-    assert "3 wrong value(s)" in check_comm({"ranks": 16, "rows": bad}, nodes, None)
+    assert own_failure({"rows": rows}) is None
+    failures = [None] * 9 + [own_failure({"rows": bad})] * 2 + [None] * 5
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, None, failures)
+    assert "3 wrong value(s) at 1048576 bytes on rank 9 (node gpu-2) (and on 1 more rank(s))" in problem, problem
+    nan = [{**rows[0], "timed_data_finite": False}, rows[1]]
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, None, [None] * 3 + [own_failure({"rows": nan})] + [None] * 12)
+    assert "non-finite values (inf/NaN) at 1048576 bytes on rank 3 (node gpu-1)" in problem, problem
 
 
 def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):

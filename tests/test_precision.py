@@ -289,3 +289,13 @@ def test_mfu_stays_under_100_percent_when_the_start_up_peak_was_held_down(tmp_pa
     trainer.peak_flops = 1e15  # a plausible peak is left alone
     trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01, wall_seconds=0.01)
     assert trainer.peak_flops == 1e15
+
+
+def test_a_model_built_on_the_meta_device_is_timed_on_a_filled_in_copy(tmp_path):
+    """FSDP builds the model on the meta device: the calibration's block pass needs weights."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    calls = []
+    choice = precision.measured_cpu_choice(model, 8, 16, str(tmp_path / "a.json"),
+                                           fake_measure({"fp32": 1e-3, "bf16": 5e-4}, calls), lambda d, rows: 1.0)
+    assert choice == "bf16" and len(calls) == 6 and all(p.is_meta for p in model.parameters())
