@@ -130,8 +130,9 @@ def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
 
 
 def pass_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int) -> float:
-    """Seconds of one forward and backward pass of `model` (a probe's own copy: its
-    gradients are cleared after) on fixed random tokens, global generators untouched."""
+    """Seconds of one forward and backward pass of `model` (a probe's copy, or the model
+    with its gradients set aside: they are cleared after) on fixed random tokens, global
+    generators untouched."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
     x = torch.randint(vocab, (batch_size, block_size), generator=generator)
