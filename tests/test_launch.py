@@ -62,6 +62,7 @@ def fake_command(bin_dir: Path, name: str, script: str) -> None:
 
 
 # ---- a checkout without the package installed -------------------------------------------------
+@pytest.mark.cli
 def test_multinode_runs_a_checkout_with_a_python_that_lacks_the_package(tmp_path, small_corpus):
     """PYTHON= an environment with torch, hydra-core, omegaconf and fsspec but without this
     package (as a container image with the checkout mounted, or a conda env): multinode.sh
@@ -83,6 +84,7 @@ def test_multinode_runs_a_checkout_with_a_python_that_lacks_the_package(tmp_path
     assert (run_dir / "snapshot.pt").exists()
 
 
+@pytest.mark.dist
 def test_missing_dependency_is_one_line_from_one_rank(tmp_path, small_corpus):
     """hydra-core missing from the environment: under torchrun with 2 workers, one `error:`
     line naming the package and the pip command for this interpreter, exit code 2, no
@@ -123,6 +125,7 @@ sys.meta_path.insert(0, _InjectBug())
 '''
 
 
+@pytest.mark.dist
 def test_a_bug_reaches_torchruns_failure_summary_with_its_rank_and_traceback(tmp_path, small_corpus):
     """main is wrapped in torch elastic's @record: when rank 1 raises, torchrun's summary names
     rank 1 and shows the exception and its traceback (not "error_file: <N/A>")."""
@@ -152,6 +155,7 @@ def topology(tmp_path: Path, **settings: str) -> str:
     return lines[0]
 
 
+@pytest.mark.cli
 def test_efa_auto_on_off_and_user_values_kept(tmp_path):
     """EFA=auto turns on when `fi_info -p efa` finds a device, else stays off; EFA=1 forces it
     on, EFA=0 off. On: FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 only on instance types
@@ -178,6 +182,7 @@ def test_efa_auto_on_off_and_user_values_kept(tmp_path):
     assert bad.returncode == 1 and "EFA=yes" in bad.stderr, bad.stderr
 
 
+@pytest.mark.dist
 def test_efa_settings_reach_the_agent_environment(tmp_path):
     """What torchrun (and so every worker) inherits, seen by a stand-in PYTHON: the EFA
     variables set, the user's kept, and compile threads matching OMP_NUM_THREADS."""
@@ -196,6 +201,7 @@ def test_efa_settings_reach_the_agent_environment(tmp_path):
     assert seen["TORCHINDUCTOR_COMPILE_THREADS"] == seen["OMP_NUM_THREADS"], seen
 
 
+@pytest.mark.dist
 def test_preflight_commands(tmp_path):
     """PREFLIGHT=1: the checks run first, through torchrun with this node's topology, on their
     own rendezvous (id and port) and never restarted; then training. only: just the checks."""
@@ -244,6 +250,7 @@ def fake_sbatch_run(tmp_path: Path, *args: str, **settings: str) -> tuple[subpro
     return proc, srun_args, step_env
 
 
+@pytest.mark.cli
 def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
     """CONTAINER_IMAGE set but srun has no --container-image (Pyxis not in the compute nodes'
     plugstack.conf): one message saying what to check, no step started."""
@@ -259,6 +266,7 @@ def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
     assert f"--container-mounts={REPO}:{REPO},/fsx:/fsx" in srun_args, srun_args
 
 
+@pytest.mark.cli
 def test_sbatch_hyperpod_auto_resume_and_srun_args(tmp_path):
     """Where /opt/sagemaker_cluster exists (HYPERPOD_MARKER here), srun gets --auto-resume=1 and
     the log says so; elsewhere it does not. SRUN_ARGS adds options; --kill-on-bad-exit=1 always."""
@@ -276,6 +284,7 @@ def test_sbatch_hyperpod_auto_resume_and_srun_args(tmp_path):
     assert proc.returncode == 0 and "--auto-resume=1" not in srun_args and "HyperPod" not in output(proc)
 
 
+@pytest.mark.cli
 def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
     """The step runs with the NCCL flight recorder on (trace buffer, dump on timeout) dumping
     into the run directory (outputs/slurm-<job id>, or hydra.run.dir); exported values win.
@@ -298,6 +307,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
             "cuda": "12.4" if gpus else None, "nccl": "2.21.5" if gpus else None, "python": "3.11.9", **extra}
 
 
+@pytest.mark.unit
 def test_preflight_node_checks_name_the_node():
     from mingpt_ddp.preflight import check_comm, check_nodes
 
@@ -320,6 +330,7 @@ def test_preflight_node_checks_name_the_node():
     assert "3 wrong value(s)" in check_comm({"ranks": 16, "rows": bad}, nodes, None)
 
 
+@pytest.mark.cli
 def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):
     """cpus_per_task defaults to the smallest node's CPUs (sinfo; the default partition is the
     one marked *) / tasks per node; None where sinfo is missing or fails."""
@@ -341,6 +352,7 @@ exit 1
     cluster.node_cpus.cache_clear()
 
 
+@pytest.mark.cli
 def test_missing_s3fs_for_an_s3_url_is_one_line_naming_it(tmp_path, small_corpus):
     """s3fs missing and trainer.snapshot_path=s3://...: one `error:` line naming s3fs and the pip
     command for this interpreter (not `pip install -e`, which would re-resolve torch), exit 2."""

@@ -53,6 +53,7 @@ def resolve(tmp_path: Path, **settings: str) -> tuple[str, str]:
     return topology[0], proc.stdout
 
 
+@pytest.mark.dist
 def test_topology_resolution(tmp_path):
     """What multinode.sh derives from its environment: workers per GPU (CUDA_VISIBLE_DEVICES,
     else `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count, first node, job id
@@ -97,6 +98,7 @@ def test_topology_resolution(tmp_path):
     assert bad.returncode == 1 and "NNODES=two" in bad.stderr, bad.stderr
 
 
+@pytest.mark.cli
 def test_two_machines_with_different_process_counts_started_apart(tmp_path, small_corpus):
     """Machine A (1 process) starts, machine B (2 processes, same HEAD_NODE and NNODES=2,
     no RUN_ID: the default is derived from HEAD_NODE and the port, so both agree) starts
@@ -143,6 +145,7 @@ def test_two_machines_with_different_process_counts_started_apart(tmp_path, smal
     assert (tmp_path / "run" / "snapshot.pt").exists()
 
 
+@pytest.mark.dist
 def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path, small_corpus):
     """A machine pointed at a head where nothing answers (a loopback address and port with no
     listener: tests send traffic to 127.0.0.0/8 only) does not hang:

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from mingpt_ddp import precision
 from mingpt_ddp.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.unit
 
 
 def tiny_model(n_embd: int = 32) -> GPT:
