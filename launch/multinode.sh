@@ -18,6 +18,12 @@
 #   NPROC_PER_NODE  workers on this node [the GPUs this node may use (CUDA_VISIBLE_DEVICES,
 #                   else `nvidia-smi -L`); with no GPU: 1]. Set it to use fewer GPUs, or
 #                   several CPU workers.
+#   DEVICE          auto / gpu / cpu [auto: the GPUs this job sees, else CPU workers; but a
+#                   node with GPUs of which the job sees none is refused (a Slurm job that
+#                   asked for no GPU), one line]. gpu: refuse without GPUs. cpu: train on
+#                   CPUs on purpose (the workers see no GPU).
+#   GPU_INVENTORY   directory listing the node's GPUs, one entry each, whatever the job may
+#                   use [/proc/driver/nvidia/gpus; under Slurm, else the node's Gres]
 #   HEAD_NODE       address or name of the node that hosts the rendezvous [Slurm: the first
 #                   node of the job, `scontrol show hostnames $SLURM_JOB_NODELIST | head -1`;
 #                   otherwise 127.0.0.1]
@@ -34,19 +40,26 @@
 #   MAX_RESTARTS    times torchrun restarts this node's workers after a failure; each restart
 #                   is a new rendezvous and resumes from the latest snapshot [3]
 #   IS_HEAD         1/0: whether this machine hosts the rendezvous [auto: Slurm node 0, or
-#                   HEAD_NODE is this host's name or one of its addresses]. Non-head nodes
+#                   HEAD_NODE is this host's name or one of its addresses: then the first
+#                   agent on this machine to take RDZV_PORT hosts it and any other started here
+#                   joins it, so several "machines" may share one host]. Non-head nodes
 #                   first check that HEAD_NODE:RDZV_PORT answers, and stop with a clear
 #                   message if it does not within RDZV_TIMEOUT. Under Slurm, or when set,
 #                   it is passed on to torchrun (--rdzv_conf is_host=...).
-#   LOCAL_ADDR      address this node advertises to the others [torchrun's default: its FQDN]
+#   LOCAL_ADDR      address this node advertises to the others (rank 0's store is reached
+#                   there) [this machine's address on the route to HEAD_NODE]
 #   PYTHON          interpreter with torch and this package [VENV/bin/python if VENV is set,
 #                   else .venv/bin/python in the repository if present, else python3]
 #   REPO_DIR        repository to run from [the one containing this script]
 #   TORCHRUN_ARGS   extra torchrun options, e.g. "--redirects 3 --log-dir /tmp/logs"
 #   DRY_RUN=1       print the topology line and the torchrun command, and run nothing
-#   NCCL_DEBUG      [WARN]; NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: the network interface
-#                   for the collectives (e.g. ens5); GLOO_SOCKET_IFNAME defaults to a plain
-#                   NCCL_SOCKET_IFNAME.
+#   NCCL_DEBUG      [WARN]
+#   GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME  the network interface of the collectives (gloo;
+#                   NCCL's bootstrap and socket transport) [the interface that carries this
+#                   machine's route to HEAD_NODE, e.g. ens5: "=ens5" for NCCL, which otherwise
+#                   reads a prefix; GLOO_SOCKET_IFNAME follows a plain NCCL_SOCKET_IFNAME you set].
+#                   Without them gloo binds what the host name resolves to (often another
+#                   interface, or loopback) and NCCL its own pick. The topology line says which.
 #   EFA             auto / 1 / 0 [auto: on when this node has EFA devices (`fi_info -p efa`
 #                   succeeds, or /sys/class/infiniband has a device bound to the efa driver)].
 #                   On: exports FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 on instance types
@@ -66,6 +79,8 @@
 #                   its directory is created on every node, for the NCCL flight recorder's dumps
 #
 # Prints one line with the resolved topology, then torchrun's and the trainer's output.
+# torchrun runs as mingpt_ddp/torchrun.py: a failed rendezvous, a lost head, or workers
+# that reported their own error end in one `error:` line instead of tracebacks.
 # Exit code: torchrun's; 1 when the head cannot be reached or the setup is wrong.
 set -euo pipefail
 
@@ -125,13 +140,43 @@ count_gpus() {
     echo 0
   fi
 }
+# The node's GPUs, whatever this job may use: the NVIDIA driver lists each one in
+# GPU_INVENTORY (cgroups and CUDA_VISIBLE_DEVICES do not hide them there); Slurm's node
+# record (Gres=gpu:...) where the driver's list cannot be read.
+node_gpus() {
+  local dir=${GPU_INVENTORY:-/proc/driver/nvidia/gpus} n=0 gres entry gpu_re='^gpu(:[^:(]+)?:([0-9]+)'
+  [ -d "$dir" ] && n=$(find "$dir" -mindepth 1 -maxdepth 1 | wc -l)
+  if ((n == 0)) && ((in_slurm)) && command -v scontrol >/dev/null 2>&1; then
+    gres=$(scontrol show node -o "${SLURMD_NODENAME:-$host}" 2>/dev/null | sed -n 's/.*[[:space:]]Gres=\([^[:space:]]*\).*/\1/p')
+    for entry in ${gres//,/ }; do  # gpu:h100:8(S:0-1)
+      [[ $entry =~ $gpu_re ]] && n=$((n + BASH_REMATCH[2]))
+    done
+  fi
+  echo "$n"
+}
+DEVICE=${DEVICE:-auto}
+case "$DEVICE" in
+  auto|gpu) ;;
+  cpu) export CUDA_VISIBLE_DEVICES="" ;;  # on purpose: the workers see no GPU
+  *) die "DEVICE=$DEVICE: give auto (GPUs when the job has them), gpu or cpu" ;;
+esac
 gpus=$(count_gpus)
+if ((gpus == 0)) && [ "$DEVICE" != cpu ]; then
+  # A job that was given none of its node's GPUs (Slurm with cgroup device isolation, and no
+  # GPU request) would otherwise train on one CPU worker without a word.
+  inventory=$(node_gpus)
+  if ((inventory > 0)); then
+    die "node ${SLURMD_NODENAME:-$host} has $inventory GPU(s) but this job sees none (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}): it would train on CPU. Ask for them (sbatch or srun --gpus-per-node=$inventory; an --exclusive job's step gets them only when it asks, as train.sbatch does), or set DEVICE=cpu to train on CPUs on purpose"
+  elif [ "$DEVICE" = gpu ]; then
+    die "DEVICE=gpu but no GPU is visible on ${SLURMD_NODENAME:-$host} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, nvidia-smi -L lists none)"
+  fi
+fi
 if [ -n "${NPROC_PER_NODE:-}" ]; then
   workers=$NPROC_PER_NODE; workers_from="NPROC_PER_NODE"
 elif ((gpus > 0)); then
   workers=$gpus; workers_from="GPUs"
 else
-  workers=1; workers_from="no GPU: 1 CPU worker; set NPROC_PER_NODE for more"
+  workers=1; workers_from="$( [ "$DEVICE" = cpu ] && echo "DEVICE=cpu" || echo "no GPU"): 1 CPU worker; set NPROC_PER_NODE for more"
 fi
 [[ $workers =~ ^[1-9][0-9]*$ ]] || die "NPROC_PER_NODE=$workers: give a positive number of workers"
 device=$( ((gpus > 0)) && echo "$gpus GPU(s)" || echo "cpu" )
@@ -148,8 +193,41 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / work
 # Inductor's compile workers per process: more than its share of cores only fights the other ranks.
 export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$OMP_NUM_THREADS}
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-if [ -n "${NCCL_SOCKET_IFNAME:-}" ] && [ -z "${GLOO_SOCKET_IFNAME:-}" ] && [[ $NCCL_SOCKET_IFNAME =~ ^[A-Za-z0-9_.-]+$ ]]; then
-  export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
+
+# ---- the network: this machine's address and interface toward HEAD_NODE -------------------
+# From the routing table (mingpt_ddp/network.py), not from the host name: on machines with
+# several interfaces the host name resolves to another one, or to loopback. The collectives
+# (gloo, NCCL's sockets) bind that interface and this node advertises that address.
+head_local=0 route_addr="" route_iface=""
+for field in $("$PYTHON" -m mingpt_ddp.network "$HEAD_NODE" 2>/dev/null || true); do
+  case "$field" in
+    local=1) head_local=1 ;;
+    addr=?*) route_addr=${field#addr=} ;;
+    iface=?*) route_iface=${field#iface=} ;;
+  esac
+done
+net_notes=()
+if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
+  net_notes+=("GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME kept")
+elif [ -n "${NCCL_SOCKET_IFNAME:-}" ] && [[ $NCCL_SOCKET_IFNAME =~ ^=?[A-Za-z0-9_.-]+$ ]]; then
+  export GLOO_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME#=}; net_notes+=("GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME from NCCL_SOCKET_IFNAME")
+elif [ -n "$route_iface" ]; then
+  export GLOO_SOCKET_IFNAME=$route_iface; net_notes+=("GLOO_SOCKET_IFNAME=$route_iface set")
+fi
+if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
+  net_notes+=("NCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME kept")
+elif [ -n "$route_iface" ]; then  # "=": exactly this interface (a plain value is a prefix to NCCL)
+  export NCCL_SOCKET_IFNAME="=$route_iface"; net_notes+=("NCCL_SOCKET_IFNAME==$route_iface set")
+fi
+if [ -n "${LOCAL_ADDR:-}" ]; then
+  net_notes+=("LOCAL_ADDR=$LOCAL_ADDR kept")
+elif [ -n "$route_addr" ]; then
+  LOCAL_ADDR=$route_addr; net_notes+=("LOCAL_ADDR=$route_addr set")
+fi
+if [ -n "$route_iface" ]; then
+  net_state="net=$route_iface $route_addr (the route to $HEAD_NODE; $(IFS=';'; echo "${net_notes[*]}" | sed 's/;/, /g'))"
+else
+  net_state="net=unknown (no route to $HEAD_NODE found${net_notes:+; $(IFS=';'; echo "${net_notes[*]}" | sed 's/;/, /g')})"
 fi
 
 # ---- EFA: the fabric settings, never overriding what the user exported ---------------------
@@ -201,31 +279,12 @@ PREFLIGHT=${PREFLIGHT:-0}
 PREFLIGHT_PORT=${PREFLIGHT_PORT:-$((RDZV_PORT + 1))}
 [[ $PREFLIGHT_PORT =~ ^[0-9]+$ ]] || die "PREFLIGHT_PORT=$PREFLIGHT_PORT is not a port number"
 
-# Whether this node hosts the rendezvous: Slurm's node 0 (when HEAD_NODE is the first
-# node), else HEAD_NODE names this machine or one of its addresses.
-is_local_address() {
-  "$PYTHON" - "$1" <<'EOF'
-import socket, sys
-head = sys.argv[1]
-if head in (socket.gethostname(), socket.getfqdn(), "localhost"):
-    sys.exit(0)
-try:
-    addrs = {ai[4][0] for ai in socket.getaddrinfo(head, None, proto=socket.IPPROTO_TCP)}
-except OSError:
-    sys.exit(1)
-for addr in addrs:
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family) as s:
-        try:
-            s.bind((addr, 0))  # only addresses of this machine can be bound
-            sys.exit(0)
-        except OSError:
-            pass
-sys.exit(1)
-EOF
-}
-# When that is known for sure, torchrun is told (is_host) instead of guessing from host names,
-# which fails where the node list's names are not the nodes' host names.
+# Whether this node hosts the rendezvous: Slurm's node 0 (when HEAD_NODE is the first node),
+# or IS_HEAD; both are passed on to torchrun (is_host). Otherwise a node hosts it when
+# HEAD_NODE is this machine's name or one of its addresses, and mingpt_ddp/torchrun.py decides
+# at start: the first agent on this machine to take the port hosts, any other joins it (several
+# "machines" on one host). torchrun alone would compare HEAD_NODE with what the host name
+# resolves to, and nobody would host where that is another interface.
 rdzv_conf="join_timeout=$RDZV_TIMEOUT,read_timeout=$RDZV_TIMEOUT"
 if [ -n "${IS_HEAD:-}" ]; then
   [[ $IS_HEAD =~ ^[01]$ ]] || die "IS_HEAD=$IS_HEAD: give 1 (this machine hosts the rendezvous) or 0"
@@ -234,20 +293,18 @@ if [ -n "${IS_HEAD:-}" ]; then
 elif ((in_slurm)) && [ "$HEAD_NODE" = "${first_node:-}" ]; then
   is_head=$( [ "${SLURM_NODEID:-0}" = 0 ] && echo 1 || echo 0 )
   rdzv_conf+=",is_host=$is_head"
-elif is_local_address "$HEAD_NODE"; then
-  is_head=1  # but let torchrun find out: several "machines" may share one host
 else
-  is_head=0
+  is_head=$head_local
 fi
 
 where=$host
 ((in_slurm)) && where="${SLURMD_NODENAME:-$host} (Slurm job $SLURM_JOB_ID node ${SLURM_NODEID:-?} of ${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-?}})"
 role=$( ((is_head)) && echo "hosts the rendezvous" || echo "joins" )
-log "topology: node $where $role $HEAD_NODE:$RDZV_PORT | nnodes=$NNODES nproc_per_node=$workers ($workers_from; $device) | run_id=$RUN_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s | $efa_state | preflight=$PREFLIGHT | python=$PYTHON repo=$REPO_DIR"
+log "topology: node $where $role $HEAD_NODE:$RDZV_PORT | nnodes=$NNODES nproc_per_node=$workers ($workers_from; $device) | run_id=$RUN_ID max_restarts=$MAX_RESTARTS rdzv_timeout=${RDZV_TIMEOUT}s | $net_state | $efa_state | preflight=$PREFLIGHT | python=$PYTHON repo=$REPO_DIR"
 
 # ---- the agents' command lines ---------------------------------------------------------------
 torchrun_cmd() {  # PORT RDZV_ID MAX_RESTARTS: torchrun's options for this topology
-  cmd=("$PYTHON" -m torch.distributed.run
+  cmd=("$PYTHON" -m mingpt_ddp.torchrun
     --nnodes="$NNODES" --nproc_per_node="$workers"
     --rdzv_backend=c10d --rdzv_endpoint="$HEAD_NODE:$1" --rdzv_id="$2"
     --rdzv_conf="$rdzv_conf"

@@ -15,7 +15,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
 
   all:      out=PATH  wait_quiet=SECONDS (CPU: first wait up to this long for other
             processes to leave the cores idle; the JSON records how busy they were anyway)
-  peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
+  peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (square sizes; device default); also
+            the configured model's own matmuls (model=..., data.block_size, trainer.batch_size)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
             and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
@@ -23,10 +24,17 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             peak RSS, and the node's memory for the corpus (PSS of the mapped token file
             summed over the node's processes)
   snapshot: url=DIR-OR-FILE (any fsspec URL; default a temporary directory)  repeat=3
-  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5
-  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
-            what trainer.precision=auto decides; models=gpt-nano,experiment=char_cpu_fast,...
-            (one row each; `all`: the five presets and the fast CPU recipe)
+  comm:     min_bytes=8 max_bytes=256MB iters=N (default: by size) warmup=5; also the transport
+            each rank's collectives use (gloo: TCP on GLOO_SOCKET_IFNAME; NCCL: P2P, SHM or
+            NET/<plugin>, read from NCCL's own INFO log). project=TRAIN.json (a `bench train`
+            JSON of one process: its step time is the compute) hosts=2,4,8,16: DDP's step time
+            at N hosts of the link just measured, step = compute + exposed comm
+  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16, what
+            trainer.precision=auto decides and how long that takes; models=gpt-nano,experiment=...
+            (one row each; `all`: the five presets and the two CPU recipes); avx2=true|false
+            (default: true on CPUs with more than AVX2): the same columns again for an AVX2-only
+            CPU, measured in a child process under ATEN_CPU_CAPABILITY=avx2
+            ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -41,6 +49,7 @@ the measured peak, and on known GPUs against the datasheet's dense peak.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -48,6 +57,7 @@ import re
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,13 +70,16 @@ import torch.distributed as torch_dist
 
 from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
+from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
+                                mfu)
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
+    "project": None, "hosts": "2,4,8,16",
+    "avx2": None,
 }
 
 
@@ -103,16 +116,16 @@ def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
 
-    from mingpt_ddp import storage
+    from mingpt_ddp import parallel, storage
     from mingpt_ddp.main import load_corpus
-    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
     corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
     metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
                 "model_config": dict(vars(model_cfg)),
@@ -282,25 +295,37 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def run_peak(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Dense matmul TFLOP/s per dtype and size: the rooflines MFU is quoted against."""
+    """Dense matmul TFLOP/s per dtype: at square sizes, and at the configured model's own
+    matmuls (rows = batch x block), which is what a run's MFU is quoted against. Bounded in
+    time on every CPU: a size whose one matmul would take over MAX_MATMUL_SECONDS (bf16 or
+    fp16 emulated in software) is rated from one matmul of a few rows, and marked."""
     device = dist.device
     sizes = [int(s) for s in str(options["sizes"]).split(",")] if options["sizes"] else list(default_peak_sizes(device))
     names = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
     seconds = float(options["seconds"])
+    cfg = compose(overrides)
+    d = cfg.model.n_embd
+    tokens = cfg.trainer.batch_size * cfg.data.block_size
+    shapes = {"qkv": (tokens, d, 3 * d), "mlp up": (tokens, d, 4 * d), "mlp down": (tokens, 4 * d, d)}
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
-    rows, best = [], {}
+    rows, best, model_peak = [], {}, {}
     tf32_before = torch.backends.cuda.matmul.allow_tf32
     try:
         for name in names:
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            for n in sizes:
-                rate = matmul_flops(device, DTYPES[name], n, seconds)
-                rows.append({"dtype": name, "n": n, "tflops": rate / 1e12})
+            for label, shape in [*((str(n), (n, n, n)) for n in sizes), *shapes.items()]:
+                rate = matmul_flops(device, DTYPES[name], shape, seconds, min_rows=shape[0])
+                one_matmul_s = 2 * shape[0] * shape[1] * shape[2] / rate
+                rows.append({"dtype": name, "matmul": label, "shape": list(shape), "tflops": rate / 1e12,
+                             "one_matmul_s": one_matmul_s, "from_gauge": one_matmul_s > MAX_MATMUL_SECONDS})
                 best[name] = max(best.get(name, 0.0), rate / 1e12)
+            model_peak[name] = max(r["tflops"] for r in rows if r["dtype"] == name and r["matmul"] in shapes)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
-    return {"rows": rows, "peak_tflops": best, "other_cpu_busy": noise.fraction()}
+    emulated = [n for n in ("bf16", "fp16") if n in model_peak and model_peak[n] * EMULATED_SLOWDOWN < model_peak["fp32"]]
+    return {"rows": rows, "peak_tflops": best, "model": {**_container(cfg.model), "tokens": tokens},
+            "model_peak_tflops": model_peak, "emulated": emulated, "other_cpu_busy": noise.fraction()}
 
 
 def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -364,7 +389,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "block_size": trainer.block_size,
         "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
-        "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
+        "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
@@ -617,14 +642,83 @@ class Stopwatch:
         return time.perf_counter() - self._t0
 
 
+NCCL_LOG_DIR = "MINGPT_NCCL_LOG_DIR"  # where nccl_log_to_files() sent NCCL's INFO log
+
+
+def nccl_log_to_files() -> None:
+    """Before NCCL starts (GPUs only): NCCL's INFO log into one file per process, read back
+    after the collectives to say which transport NCCL chose. Where NCCL_DEBUG_FILE is the
+    user's own, nothing changes (and the transport is not reported)."""
+    if not torch.cuda.is_available() or os.environ.get("NCCL_DEBUG_FILE"):
+        return
+    log_dir = tempfile.mkdtemp(prefix="mingpt-nccl-")
+    os.environ.update({NCCL_LOG_DIR: log_dir, "NCCL_DEBUG": "INFO",
+                       "NCCL_DEBUG_FILE": os.path.join(log_dir, f"nccl.{os.getpid()}.log")})
+
+
+def nccl_transport(log: str) -> dict[str, Any]:
+    """What NCCL's INFO log says it chose: its version, the transports of its channels
+    ("P2P" GPU peer access over NVLink/PCIe, "SHM" shared memory, "NET/<network>" between
+    nodes), the network plugin (and the libfabric provider under aws-ofi-nccl)."""
+    kinds: dict[str, int] = {}
+    for kind, sub in re.findall(r" via (\w+)(?:/([^/\n]+))?", log):
+        name = f"NET/{sub}" if kind == "NET" and sub else kind
+        kinds[name] = kinds.get(name, 0) + 1
+    version = re.search(r"NCCL version ([\w.+-]+)", log)
+    network = re.search(r"Using network (.+)", log)
+    provider = re.search(r"NET/OFI Selected [Pp]rovider is (\w+)", log)
+    plugin = re.search(r"NET/OFI Initializing (aws-ofi-nccl [\w.-]+)", log)
+    return {"nccl": version and version[1], "channels": kinds, "network": network and network[1].strip(),
+            "provider": provider and provider[1], "plugin": plugin and plugin[1]}
+
+
+def describe_transport(t: dict[str, Any]) -> str:
+    """One line for a rank's transport, with the sign of lost GPU peer access."""
+    if t["backend"] == "gloo":
+        ifname = t.get("gloo_socket_ifname")
+        return f"gloo over TCP on {f'interface {ifname} (GLOO_SOCKET_IFNAME)' if ifname else 'the address the host name resolves to (GLOO_SOCKET_IFNAME unset)'}"
+    if "channels" not in t:
+        return f"NCCL: {t.get('unknown', 'transport unknown')}"
+    parts = [f"{k} x{n}" for k, n in sorted(t["channels"].items())] or ["no channel set up (one rank)"]
+    line = f"NCCL {t['nccl'] or '?'}: " + ", ".join(parts)
+    if t["network"]:
+        line += f"; network {t['network']}" + (f" ({t['plugin']}, provider {t['provider']})" if t["plugin"] or t["provider"] else "")
+    if "SHM" in t["channels"] and "P2P" not in t["channels"]:
+        line += ("; GPUs of a node talk through host shared memory, not peer access: each rank sees only its "
+                 "own GPU (srun --gpus-per-task=1, cgroup device isolation) or P2P is disabled (NCCL_P2P_DISABLE)")
+    return line
+
+
+def own_transport(dist) -> dict[str, Any]:
+    """This rank's transport, as far as it can be known."""
+    found: dict[str, Any] = {"rank": dist.rank, "host": platform.node(), "backend": dist.backend}
+    if dist.backend == "gloo":
+        found["gloo_socket_ifname"] = os.environ.get("GLOO_SOCKET_IFNAME")
+        return found
+    log_file = os.environ.get("NCCL_DEBUG_FILE", "")
+    if not os.environ.get(NCCL_LOG_DIR) or not os.path.isfile(log_file):
+        found["unknown"] = "transport unknown (NCCL_DEBUG_FILE is set by you: look for ' via ' lines there)"
+        return found
+    with open(log_file, errors="replace") as f:
+        found.update(nccl_transport(f.read()))
+    return found
+
+
 def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it."""
+    """all_reduce bandwidth over the process group, as nccl-tests' all_reduce_perf reports it;
+    the transport behind it; and, given a one-process `bench train` JSON, DDP's step time
+    projected to N hosts of this link."""
     if overrides:
         raise ConfigError(f"comm takes no config overrides: {overrides}")
+    compute = load_compute(options["project"]) if options["project"] else None
+    hosts = parse_hosts(options["hosts"])
     own_group = not torch_dist.is_initialized()
     if own_group:  # one process: a group of one still measures the call's own cost
         torch_dist.init_process_group(dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1)
     n = torch_dist.get_world_size()
+    if compute is not None and n < 2:
+        raise ConfigError("project= needs the all_reduce measured over 2 or more ranks, one per host across the "
+                          "link (torchrun --nnodes=2 --nproc_per_node=1 ...)")
     lo, hi = parse_bytes(options["min_bytes"]), parse_bytes(options["max_bytes"])
     warmup = int(options["warmup"])
     sizes, s = [], max(4, lo)
@@ -658,27 +752,148 @@ def run_comm(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         rows.append({"size": count * 4, "count": count, "type": "float", "redop": "sum", "time_us": seconds * 1e6,
                      "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": wrong,
                      "iters": iters, "timed_data_finite": finite})
+    transport = distributed.all_gather_object(own_transport(dist))
     if own_group:
         torch_dist.destroy_process_group()
-    return {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
-            "other_cpu_busy": noise.fraction()}
+    result = {"ranks": n, "rows": rows, "avg_busbw_GBps": statistics.mean(r["busbw_GBps"] for r in rows),
+              "other_cpu_busy": noise.fraction(), "transport": transport}
+    if compute is not None:
+        result["projection"] = {"compute": compute,
+                                "hosts": [project_ddp_step(compute, rows, h) for h in hosts]}
+    return result
 
 
-PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast")
+# ---- DDP's step time at N hosts of a link, from its measured busbw --------------------------
+BACKWARD_SHARE = 2 / 3  # of a training step's compute: backward is ~2x the forward's FLOPs
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first (rebuilt) bucket: torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def parse_hosts(text: str) -> list[int]:
+    try:
+        hosts = [int(h) for h in str(text).split(",") if h.strip()]
+    except ValueError:
+        hosts = []
+    if not hosts or min(hosts) < 2:
+        raise ConfigError(f"hosts={text}: give host counts of 2 or more, e.g. hosts=2,4,8")
+    return hosts
+
+
+def load_compute(path: str) -> dict[str, Any]:
+    """What the projection needs from a `bench train` JSON of one process: the step time
+    (compute alone, no gradient exchange), the gradient bytes and DDP's bucket size."""
+    try:
+        train = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"project={path}: cannot read a bench train JSON there ({exc})") from None
+    if train.get("mode") != "train" or train.get("env", {}).get("world_size") != 1:
+        raise ConfigError(f"project={path}: give the JSON of `python -m mingpt_ddp.bench train ... out={path}` "
+                          "run as one process (its step time is the compute without any gradient exchange)")
+    if train.get("strategy", "ddp") != "ddp":
+        raise ConfigError(f"project={path}: the projection models DDP's all_reduce; this run used {train['strategy']}")
+    cfg = compose(train.get("overrides", []))
+    step_ms = train.get("ms_per_step_median") or train["ms_per_step"]
+    return {"step_ms": step_ms, "gradient_bytes": int(train["state_bytes_whole_model"]["gradients"]),
+            "bucket_bytes": int(cfg.trainer.ddp_bucket_cap_mb * 2**20), "parameters": train["parameters"],
+            "source": path}
+
+
+def busbw_at(rows: list[dict[str, Any]], size: int) -> float:
+    """Measured busbw at `size` bytes, interpolated on a log scale between the sizes measured
+    (the nearest end outside them)."""
+    import math
+
+    pts = sorted((r["size"], r["busbw_GBps"]) for r in rows if r["busbw_GBps"] > 0)
+    if size <= pts[0][0]:
+        return pts[0][1] * size / pts[0][0]  # below the smallest size the time stays latency-bound
+    for (s0, b0), (s1, b1) in zip(pts, pts[1:]):
+        if size <= s1:
+            w = math.log(size / s0) / math.log(s1 / s0)
+            return b0 + w * (b1 - b0)
+    return pts[-1][1]
+
+
+def project_ddp_step(compute: dict[str, Any], rows: list[dict[str, Any]], hosts: int) -> dict[str, Any]:
+    """DDP's step time at `hosts` hosts of this link: step = compute + exposed comm.
+
+    The gradients leave in DDP's buckets (the first 1 MiB, then the configured size), in
+    the order backward produces them; each bucket's ring all_reduce moves 2(N-1)/N of its
+    bytes over every host's link and takes that over the busbw measured at its size (a
+    ring's busbw does not depend on N). A bucket's all_reduce starts when backward has
+    produced the bucket (gradients taken to arrive evenly over the backward, BACKWARD_SHARE
+    of the step) and the previous one has finished; what runs past the end of the backward
+    is exposed. Latency that grows with N (2(N-1) hops) is left out.
+    """
+    compute_s, grad, cap = compute["step_ms"] / 1e3, compute["gradient_bytes"], compute["bucket_bytes"]
+    buckets, left = [], grad
+    for limit in [min(FIRST_BUCKET_BYTES, cap)] + [cap] * (grad // max(1, cap) + 1):
+        if left <= 0:
+            break
+        buckets.append(min(limit, left))
+        left -= buckets[-1]
+    backward_s = compute_s * BACKWARD_SHARE
+    backward_start = compute_s * (1 - BACKWARD_SHARE) / 2  # forward first; the optimizer step after
+    done, end, comm_s = 0, 0.0, 0.0
+    for size in buckets:
+        done += size
+        ready = backward_start + backward_s * done / grad
+        seconds = size * 2 * (hosts - 1) / hosts / (busbw_at(rows, size) * 1e9)
+        end = max(ready, end) + seconds
+        comm_s += seconds
+    exposed_s = max(0.0, end - (backward_start + backward_s))
+    return {"hosts": hosts, "buckets": len(buckets), "comm_ms": 1e3 * comm_s, "exposed_ms": 1e3 * exposed_s,
+            "compute_ms": 1e3 * compute_s, "step_ms": 1e3 * (compute_s + exposed_s)}
+
+
+PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast",
+                   "experiment=shakespeare_char_cpu")
+# What makes a CPU with AVX-512 (and AMX) run like an AVX2-only one (AMD Zen 2/3, most
+# laptops): ATen's AVX2 kernels, oneDNN and MKL limited to AVX2, so bf16 has no instructions.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+SLOW_PASS_SECONDS = 10.0  # a pass of a precision the matmul probe finds several times slower: at most this long
+
+
+def precision_row(model, batch: int, block: int, steps: int) -> dict[str, Any]:
+    """fp32 and bf16 forward+backward seconds at `batch` x `block`, and what auto decides and
+    how long that took (cold cache). bf16 where its matmuls are slower (emulated): one pass
+    of as many sequences as fit into SLOW_PASS_SECONDS at their slowdown, or none."""
+    from mingpt_ddp import precision
+
+    fp32 = precision.step_seconds(model, "fp32", batch, block, steps)
+    slowdown = precision.bf16_matmul_slowdown(model.cfg.n_embd, batch * block)
+    row: dict[str, Any] = {"fp32_tokens_per_s": batch * block / fp32, "bf16_matmul_slowdown": slowdown}
+    # Full timed passes only where bf16's matmuls are faster (so its passes cost less than
+    # fp32's, already paid); else one pass, of as many sequences as fit the bound. gpt2
+    # under the AVX2 emulation showed 2.9x slower matmuls and four 90 s bf16 passes.
+    sequences = batch if slowdown < 1.0 else int(SLOW_PASS_SECONDS / (fp32 / batch * slowdown))
+    if slowdown < 1.0:
+        bf16 = precision.step_seconds(model, "bf16", batch, block, steps)
+    elif sequences >= 1:
+        sequences = min(sequences, batch)
+        bf16 = precision.pass_seconds(copy.deepcopy(model).train(), "bf16", sequences, block) * batch / sequences
+    else:
+        bf16 = None
+    row.update(bf16_sequences=min(sequences, batch), bf16_tokens_per_s=batch * block / bf16 if bf16 else None,
+               bf16_vs_fp32=fp32 / bf16 if bf16 else 1 / slowdown)
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        row["auto_choice"] = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "p.json"))
+        row["auto_seconds"] = time.perf_counter() - started
+    row["faster"] = "bf16" if row["bf16_vs_fp32"] > 1 else "fp32"
+    return row
 
 
 def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """What `trainer.precision=auto` decides on this CPU, and the fp32/bf16 forward+backward
-    times behind it, at the configured batch (auto's own probe too, capped at precision.PROBE_FLOPS per pass),
-    measured afresh (the cache is neither read nor written). `models=` takes presets and
-    experiments (comma-separated; `all`: the five presets and the fast CPU recipe) for one
-    row each, with how much slower auto's choice is than the faster of the two."""
-    from mingpt_ddp import precision
-
+    """What `trainer.precision=auto` decides on this CPU and how long deciding took (cold
+    cache), and the fp32/bf16 forward+backward speeds behind it at the configured batch.
+    `models=` takes presets and experiments (comma-separated; `all`: PRECISION_TABLE) for one
+    row each. On a CPU with more than AVX2, `avx2=true` (the default there) measures the same
+    again in a child process under AVX2_ENV: the columns of an AVX2-only CPU."""
     if dist.device.type != "cpu":
         raise ConfigError("bench precision measures CPUs: on GPUs `auto` is bf16 with native bf16, else fp16")
     models = options["models"]
     entries = PRECISION_TABLE if models == "all" else (models.split(",") if models else [None])
+    emulate = str(options["avx2"]).lower() in ("1", "true", "yes") if options["avx2"] is not None else \
+        torch.backends.cpu.get_cpu_capability() != "AVX2" and "ATEN_CPU_CAPABILITY" not in os.environ
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
     steps = int(options["steps"] or 3)
@@ -688,18 +903,33 @@ def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[s
         cfg = compose([*overrides, *chosen, "trainer.precision=fp32"])
         model = build_trainer(cfg, dist).model
         batch, block = cfg.trainer.batch_size, cfg.data.block_size
-        seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
-        with tempfile.TemporaryDirectory() as scratch:
-            choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
-        faster = min(seconds, key=seconds.get)
         rows.append({"config": entry or "as configured", "model": dict(_container(cfg.model)),
                      "parameters": model.num_params(non_embedding=False), "batch_size": batch, "block_size": block,
-                     "fp32_tokens_per_s": batch * block / seconds["fp32"],
-                     "bf16_tokens_per_s": batch * block / seconds["bf16"],
-                     "bf16_vs_fp32": seconds["fp32"] / seconds["bf16"], "faster": faster, "auto_choice": choice,
-                     "auto_slower_pct": 100 * (seconds[choice] / seconds[faster] - 1)})
+                     **precision_row(model, batch, block, steps)})
         del model
-    return {"rows": rows, "other_cpu_busy": noise.fraction()}
+    result = {"rows": rows, "other_cpu_busy": noise.fraction()}
+    if emulate:
+        result["avx2_rows"] = avx2_precision_rows(options, overrides)
+    return result
+
+
+def avx2_precision_rows(options: dict[str, Any], overrides: list[str]) -> list[dict[str, Any]]:
+    """`bench precision` again in a child process whose torch, oneDNN and MKL use AVX2 at most."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "avx2.json")
+        args = [f"{k}={v}" for k, v in options.items() if v is not None and k not in ("out", "avx2", "wait_quiet")]
+        proc = subprocess.run([sys.executable, "-m", "mingpt_ddp.bench", "precision", *args, *overrides, "avx2=false",
+                               f"out={out}"], env={**os.environ, **AVX2_ENV}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ConfigError(f"the AVX2-emulated run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        child = json.loads(Path(out).read_text())
+    if child["env"]["cpu"]["capability"] != "AVX2":
+        raise ConfigError(f"ATEN_CPU_CAPABILITY=avx2 left torch at {child['env']['cpu']['capability']}")
+    return child["rows"]
+
+
+def _auto(row: dict[str, Any]) -> str:
+    return row["auto_choice"] + ("" if row["auto_choice"] == row["faster"] else "!")
 
 
 def _container(node) -> dict[str, Any]:
@@ -722,9 +952,16 @@ def report(mode: str, result: dict[str, Any]) -> None:
     busy = result.get("other_cpu_busy")
     noise = f" | other processes kept {100 * busy:.0f}% of the cores busy" if busy is not None else ""
     if mode == "peak":
-        print_table(f"matmul peak: {where}{noise}", ["dtype", "n", "TFLOP/s"],
-                    [[r["dtype"], r["n"], r["tflops"]] for r in result["rows"]])
+        m = result["model"]
+        print_table(f"matmul peak: {where}{noise}", ["dtype", "matmul", "m x k x n", "TFLOP/s", "one matmul s"],
+                    [[r["dtype"], r["matmul"], "x".join(map(str, r["shape"])), r["tflops"],
+                      f"{r['one_matmul_s']:.3g}" + (" (rated from a few rows)" if r["from_gauge"] else "")]
+                     for r in result["rows"]])
         print("best: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in result["peak_tflops"].items()))
+        print(f"at the model's matmuls ({m['n_layer']}L/{m['n_embd']}d, {m['tokens']} tokens per micro-batch; what "
+              "its MFU is quoted against): " + ", ".join(f"{k} {v:.3f}" for k, v in result["model_peak_tflops"].items())
+              + " TFLOP/s" + "".join(f"; {n} is emulated here (slower than fp32): MFU in {n} is quoted against fp32"
+                                     for n in result["emulated"]))
     elif mode == "train":
         m = result["model"]
         print_table(
@@ -753,14 +990,21 @@ def report(mode: str, result: dict[str, Any]) -> None:
                     ["", "parameters MiB", "gradients MiB", "optimizer MiB", "total MiB"],
                     [[name, *values] for name, values in mib.items()])
     elif mode == "precision":
-        print_table(f"precision, forward+backward at each config's batch: {where}{noise}",
-                    ["config", "layers/dim", "batch x block", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "faster",
-                     "auto", "auto slower %"],
-                    [[r["config"], f"{r['model']['n_layer']}L/{r['model']['n_embd']}d",
-                      f"{r['batch_size']}x{r['block_size']}", r["fp32_tokens_per_s"], r["bf16_tokens_per_s"],
-                      r["bf16_vs_fp32"], r["faster"], r["auto_choice"], r["auto_slower_pct"]] for r in result["rows"]])
-        print("auto: its own probe (the micro-batch, fewer sequences on costly models; cached per CPU, torch, threads and model shape); "
-              "'auto slower %': its choice's time over the faster one's at the batch above")
+        avx2 = result.get("avx2_rows")
+        columns = ["config", "layers/dim", "batch x block", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "auto", "auto s"]
+        rows = [[r["config"], f"{r['model']['n_layer']}L/{r['model']['n_embd']}d", f"{r['batch_size']}x{r['block_size']}",
+                 r["fp32_tokens_per_s"], r["bf16_tokens_per_s"], r["bf16_vs_fp32"], _auto(r), r["auto_seconds"]]
+                for r in result["rows"]]
+        if avx2:
+            columns += ["AVX2: fp32 tok/s", "bf16 tok/s", "bf16/fp32", "auto", "auto s"]
+            for row, r in zip(rows, avx2):
+                row += [r["fp32_tokens_per_s"], r["bf16_tokens_per_s"], r["bf16_vs_fp32"], _auto(r), r["auto_seconds"]]
+        print_table(f"precision, forward+backward at each config's batch: {where}{noise}"
+                    + (" | AVX2: the same under " + " ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if avx2 else ""),
+                    columns, rows)
+        print("auto: what trainer.precision=auto chose and the seconds it took to decide (cold cache); '!' where it is "
+              "not the faster of the two at the batch above; bf16 tok/s '-': not run, a pass would take over "
+              f"{SLOW_PASS_SECONDS:g} s (bf16/fp32 from the matmul probe)")
     elif mode == "data":
         print_table(
             f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "
@@ -799,6 +1043,19 @@ def report(mode: str, result: dict[str, Any]) -> None:
               r["wrong"]] for r in result["rows"]],
         )
         print(f"# Avg bus bandwidth: {result['avg_busbw_GBps']:.3f} GB/s")
+        seen: dict[str, list[int]] = {}
+        for t in result.get("transport", []):
+            seen.setdefault(f"{t['host']}: {describe_transport(t)}", []).append(t["rank"])
+        for line, ranks in seen.items():
+            print(f"# transport, rank(s) {','.join(map(str, ranks))} on {line}")
+        if "projection" in result:
+            c = result["projection"]["compute"]
+            print(f"# DDP projection: compute {c['step_ms']:.1f} ms/step ({c['source']}), gradients "
+                  f"{c['gradient_bytes'] / 1e6:.2f} MB in buckets of {c['bucket_bytes'] / 2**20:g} MiB")
+            for p in result["projection"]["hosts"]:
+                print(f"at {p['hosts']} hosts of this link, step = compute + exposed comm = {p['compute_ms']:.1f} + "
+                      f"{p['exposed_ms']:.1f} = {p['step_ms']:.1f} ms (all_reduce {p['comm_ms']:.1f} ms in "
+                      f"{p['buckets']} bucket(s), {p['comm_ms'] - p['exposed_ms']:.1f} ms of it behind the backward)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -808,6 +1065,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     try:
         mode, options, overrides = parse_args(argv)
+        if mode == "comm":
+            nccl_log_to_files()  # before NCCL starts
         dist = distributed.setup()
         result = RUNNERS[mode](dist, options, overrides)
     except ConfigError as exc:
@@ -820,8 +1079,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if dist.is_main:
         report(mode, result)
         write_json(options["out"], mode, result)
-    distributed.barrier()  # no rank leaves (and closes its connections) while another still reports
-    distributed.teardown()
+    # No rank leaves (and closes its connections) while another still reports; then the
+    # group is destroyed while Python is whole, as main.py does: left to interpreter exit,
+    # gloo can abort a finished run (see distributed.shutdown).
+    distributed.shutdown(clean=True)
     return 0
 
 

@@ -5,9 +5,11 @@ before any dependency is imported (the package's __init__ checks torch's version
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import itertools
 import os
+import re
 import socket
 import sys
 from typing import Optional
@@ -85,6 +87,23 @@ def torch_too_old_message(version: str, floor: tuple[int, ...] = TORCH_FLOOR) ->
             f"or in a container use an image with torch {needed} or newer (launch/Dockerfile's default has one)")
 
 
+def torch_version(spec: importlib.machinery.ModuleSpec) -> str:
+    """The version of the torch `spec` finds, read from its version.py without importing torch:
+    the torchrun agent (mingpt_ddp.torchrun) imports torch itself, with c10's C++ log level
+    set first (c10 reads it once, at torch's first import)."""
+    for location in spec.submodule_search_locations or []:
+        try:
+            with open(os.path.join(location, "version.py"), encoding="utf-8") as f:
+                found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", f.read(), re.M)
+        except OSError:
+            continue
+        if found:
+            return found.group(1)
+    import torch  # a build without version.py
+
+    return str(torch.__version__)
+
+
 def require_torch() -> None:
     """Exit with one `error:` line (code 2) when the importable torch is older than TORCH_FLOOR.
 
@@ -93,14 +112,12 @@ def require_torch() -> None:
     (the first sharded save). Without torch at all, require("torch") says so later.
     """
     try:
-        found = importlib.util.find_spec("torch") is not None
+        spec = importlib.util.find_spec("torch")
     except (ImportError, ValueError):
-        found = False
-    if not found:
+        spec = None
+    if spec is None:
         return
-    import torch
-
-    message = torch_too_old_message(str(torch.__version__))
+    message = torch_too_old_message(torch_version(spec))
     if message is None:
         return
     if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":

@@ -277,6 +277,26 @@ def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_
     return not answer or answer[0] == 1
 
 
+# A rank's exit code when a collective failed because another rank or the network went away:
+# not a bug (no traceback) and not bad input (2): a restart (torchrun, a Slurm requeue) resumes.
+LOST_PEERS_EXIT_CODE = 3
+
+
+def communication_failure(exc: BaseException) -> Optional[str]:
+    """One line for a collective or the job's store failing because another rank or the
+    network went away (a node died, a link went down, a peer timed out); None for anything
+    else. c10d raises DistError (NCCL, the store); gloo raises a RuntimeError from its TCP
+    transport ("Connection closed by peer", "Timed out waiting ... for recv")."""
+    text = str(exc).strip()
+    if not (isinstance(exc, torch_dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)):
+        return None
+    first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # "[file.cc:553] "
+    first = first.split(". ")[0].rstrip(".")
+    return (f"lost contact with the other ranks: {first}. A node left the job or the network between the nodes "
+            "failed; restarted (torchrun --max-restarts, a Slurm requeue, or by hand) the job resumes from its "
+            "newest snapshot")
+
+
 def release_cached_memory() -> None:
     """Give cached accelerator memory back between the points of a sweep."""
     if torch.cuda.is_available():

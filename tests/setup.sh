@@ -40,5 +40,11 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     fi
   done
 fi
+# Two "machines" on a real network: tests/test_netns.py uses network namespaces, veth and tc
+# (iproute2). Install it as root on Debian/Ubuntu when missing; elsewhere those tests skip.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! { command -v ip && command -v tc; } >/dev/null 2>&1; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null; } \
+    || echo "setup.sh: could not install iproute2; tests/test_netns.py will be skipped" >&2
+fi
 # Sweeps on Slurm (hydra/launcher=slurm): the project's `slurm` extra.
 "${PIP[@]}" "hydra-submitit-launcher>=1.2"

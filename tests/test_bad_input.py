@@ -113,3 +113,22 @@ def test_errors_come_from_one_rank_under_torchrun(run_dir, small_corpus):
     proc = run_cli(base(run_dir, small_corpus) + ["model.n_embd=50"], nproc=2, timeout=120)
     assert proc.returncode != 0
     assert output(proc).count("error: model.n_embd=50 is not divisible") == 1, output(proc)
+
+
+@pytest.mark.dist
+def test_ranks_that_resolve_different_configurations_stop_naming_the_keys(run_dir, small_corpus, tmp_path):
+    """A per-rank path (`${oc.env:RANK}`): only d_0.txt exists, and with the per-node token
+    file only local rank 0 would read data.path, so nothing else notices. One line names the
+    key and what each rank resolved; no snapshot is written."""
+    (tmp_path / "d_0.txt").write_text(small_corpus.read_text())
+    per_rank = f"data.path={tmp_path}/d_${{oc.env:RANK}}.txt"
+    start = time.monotonic()
+    proc = run_cli([*base(run_dir, small_corpus), per_rank, "trainer.seed=${oc.env:RANK}"], nproc=2, timeout=120)
+    text = output(proc)
+    assert proc.returncode != 0, text
+    errors = [line for line in text.splitlines() if "error:" in line]
+    assert len(errors) == 1, text
+    assert "ranks resolved different configurations: data.path, trainer.seed" in errors[0], errors
+    assert f"rank 0: {tmp_path}/d_0.txt, rank 1: {tmp_path}/d_1.txt" in errors[0], errors
+    assert not list(run_dir.glob("snapshot*")), text
+    assert time.monotonic() - start < 60

@@ -83,12 +83,16 @@ def test_unknown_mode_is_one_line_and_exit_code_2(tmp_path):
 
 @pytest.mark.cli
 def test_peak(tmp_path):
-    stdout, result = run_bench(["peak", "sizes=128,256", "seconds=0.05"], tmp_path)
+    stdout, result = run_bench(["peak", "sizes=128,256", "seconds=0.05", *TINY_TRAIN], tmp_path)
     header, rows = table(stdout)
-    assert header.split() == ["dtype", "n", "TFLOP/s"]
-    assert len(rows) == 4 and [r.split()[0] for r in rows] == ["fp32", "fp32", "bf16", "bf16"]
-    assert {(r["dtype"], r["n"]) for r in result["rows"]} == {(d, n) for d in ("fp32", "bf16") for n in (128, 256)}
+    assert header.split() == ["dtype", "matmul", "m", "x", "k", "x", "n", "TFLOP/s", "one", "matmul", "s"]
+    assert [r.split()[:2] for r in rows] == [[d, m] for d in ("fp32", "bf16") for m in ("128", "256", "qkv", "mlp", "mlp")]
+    assert {(r["dtype"], tuple(r["shape"])) for r in result["rows"]} == {
+        (d, s) for d in ("fp32", "bf16") for s in ((128,) * 3, (256,) * 3, (128, 48, 144), (128, 48, 192), (128, 192, 48))}
     assert set(result["peak_tflops"]) == {"fp32", "bf16"} and all(v > 0 for v in result["peak_tflops"].values())
+    assert result["model_peak_tflops"]["fp32"] == max(r["tflops"] for r in result["rows"]
+                                                      if r["dtype"] == "fp32" and r["shape"][0] == 128 and r["shape"][1] != 128)
+    assert "at the model's matmuls (3L/48d, 128 tokens per micro-batch" in stdout
     assert result["env"]["cpu"]["cores"] >= 1
 
 
@@ -184,16 +188,38 @@ def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
 
 
 @pytest.mark.cli
-def test_precision_reports_fp32_and_bf16_and_the_auto_choice(tmp_path, small_corpus):
+def test_precision_reports_fp32_and_bf16_and_the_auto_choice_here_and_under_avx2(tmp_path, small_corpus):
     tiny = [o for o in TINY_TRAIN if not o.startswith("model=")]
-    stdout, r = run_bench(["precision", *tiny, f"data.path={small_corpus}", "steps=1",
-                           "models=gpt-nano,model.n_layer=1"], tmp_path)
+    stdout, r = run_bench(["precision", *tiny, f"data.path={small_corpus}", "steps=1", "avx2=true",
+                           "models=gpt-nano,model.n_layer=1"], tmp_path, timeout=300)
     header, rows = table(stdout)
-    assert header.split()[:3] == ["config", "layers/dim", "batch"]
+    assert header.split()[:3] == ["config", "layers/dim", "batch"] and "AVX2:" in header
+    assert "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" in stdout
     assert [row.split()[0] for row in rows][:2] == ["gpt-nano", "model.n_layer=1"]
     assert [(row["model"]["n_layer"], row["model"]["n_embd"]) for row in r["rows"]] == [(3, 48), (1, 192)]
-    for row in r["rows"]:
-        assert row["fp32_tokens_per_s"] > 0 and row["bf16_tokens_per_s"] > 0
-        assert row["faster"] == ("bf16" if row["bf16_tokens_per_s"] > row["fp32_tokens_per_s"] else "fp32")
-        assert row["auto_choice"] in ("fp32", "bf16") and row["auto_slower_pct"] >= 0
-        assert (row["auto_slower_pct"] == 0) == (row["auto_choice"] == row["faster"])
+    for row in r["rows"] + r["avx2_rows"]:
+        assert row["fp32_tokens_per_s"] > 0 and row["bf16_vs_fp32"] > 0 and row["auto_seconds"] >= 0
+        assert row["faster"] == ("bf16" if row["bf16_vs_fp32"] > 1 else "fp32")
+        assert row["auto_choice"] in ("fp32", "bf16")
+    assert len(r["avx2_rows"]) == 2
+
+@pytest.mark.unit
+def test_precision_row_times_bf16_in_one_bounded_pass_unless_its_matmuls_are_faster(monkeypatch):
+    """gpt2 under the AVX2 emulation: bf16 matmuls 2.9x slower (under the 3x that skips bf16)
+    made the bench time four full bf16 passes of ~90 s each (20 minutes for one table)."""
+    from mingpt_ddp import precision
+
+    calls = []
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    monkeypatch.setattr(precision, "step_seconds", lambda m, name, b, t, s=3: calls.append((name, b)) or 6.4)
+    monkeypatch.setattr(precision, "pass_seconds", lambda m, name, b, t: calls.append((name, b)) or 6.4 / 32 * b * 2.9)
+    monkeypatch.setattr(precision, "measured_cpu_choice", lambda *a: "fp32")
+    for slowdown, full in ((2.9, False), (0.5, True)):
+        calls.clear()
+        monkeypatch.setattr(precision, "bf16_matmul_slowdown", lambda d, rows: slowdown)
+        row = bench.precision_row(model, 32, 16, 3)
+        assert calls[0] == ("fp32", 32)
+        assert (("bf16", 32) in calls) == full, calls
+        assert sum(b for name, b in calls if name == "bf16") * 6.4 / 32 * max(slowdown, 1) <= bench.SLOW_PASS_SECONDS \
+            or full
+        assert row["bf16_tokens_per_s"] > 0

@@ -239,9 +239,9 @@ def test_the_peak_probe_gives_its_gpu_memory_back(monkeypatch):
     """Only rank 0 measures: what the probe's matrices leave in the caching allocator would
     be ~0.9 GB that rank 0 alone lacks all run."""
     events = []
-    monkeypatch.setattr(metrics, "matmul_flops", lambda device, dtype, n, seconds: events.append(("probe", n)) or 1e12)
+    monkeypatch.setattr(metrics, "matmul_flops", lambda device, dtype, n, seconds, *rows: events.append(("probe", n)) or 1e12)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
-    metrics._PEAK_CACHE.pop(("cuda:0", torch.bfloat16, torch.get_num_threads(), False), None)
+    metrics._PEAK_CACHE.pop(("cuda:0", torch.bfloat16, torch.get_num_threads(), False, ()), None)
     assert metrics.measured_peak_flops(torch.device("cuda", 0), torch.bfloat16) == 1e12
     assert events[-1] == ("empty_cache",) and [e for e in events if e[0] == "probe"]
     events.clear()

@@ -228,15 +228,18 @@ if [ "$1" = --help ]; then
 fi
 printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
 env | grep -E '^TORCH_(FR|NCCL)_' | sort >> "$FAKE_SRUN_LOG.env"
+exit "${FAKE_SRUN_EXIT:-0}"
 '''
 
 
-def fake_sbatch_run(tmp_path: Path, *args: str, **settings: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
-    """train.sbatch run as Slurm would (its environment), with a fake srun on PATH:
-    (result, srun's arguments or [] when not called, the step's TORCH_* environment)."""
+def fake_sbatch_run(tmp_path: Path, *args: str, scontrol: str = "exit 1\n",
+                    **settings: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """train.sbatch run as Slurm would (its environment), with a fake srun (exiting with
+    FAKE_SRUN_EXIT) and `scontrol` on PATH: (result, srun's arguments or [] when not called,
+    the step's TORCH_* environment)."""
     fake_bin = tmp_path / "bin"
     fake_command(fake_bin, "srun", FAKE_SRUN)
-    fake_command(fake_bin, "scontrol", "exit 1\n")
+    fake_command(fake_bin, "scontrol", scontrol)
     log = tmp_path / "srun.args"
     for stale in (log, Path(f"{log}.env")):
         stale.unlink(missing_ok=True)
@@ -300,6 +303,106 @@ def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
     assert "\n#SBATCH --wait-all-nodes=1\n" in header and "\n#SBATCH --signal=B:USR1@300\n" in header
 
 
+# A node of 8 GPUs as Slurm's scontrol shows it, and a job on it (exclusive unless told).
+FAKE_SCONTROL = '''
+echo "$*" >> "$FAKE_SCONTROL_LOG"
+case "$1 $2" in
+  "show job") echo "JobId=777 JobName=mingpt"; echo "   OverSubscribe=${FAKE_OVERSUBSCRIBE:-NO} Contiguous=0" ;;
+  "show node") echo "NodeName=n1 Arch=x86_64 CoresPerSocket=48 Gres=${FAKE_GRES:-gpu:h100:8(S:0-1)} NodeAddr=n1" ;;
+  "requeue 777") exit "${FAKE_REQUEUE_EXIT:-0}" ;;
+  *) exit 1 ;;
+esac
+'''
+
+
+@pytest.mark.cli
+def test_sbatch_passes_an_exclusive_jobs_gpus_to_its_step(tmp_path):
+    """An --exclusive job holds all of its nodes' GPUs, but Slurm gives a step only the GPUs
+    the job asked for: without a request the step would see none and train on CPU. The
+    script asks for the node's GPUs for the step (srun --gres=gpu:8); not when the job asked
+    itself, when it is not exclusive, on nodes without GPUs, or with DEVICE=cpu."""
+    log = tmp_path / "scontrol.log"
+    run = lambda **env: fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL,  # noqa: E731
+                                        FAKE_SCONTROL_LOG=str(log), **env)
+    proc, srun_args, _ = run()
+    assert proc.returncode == 0 and "--gres=gpu:8" in srun_args, output(proc)
+    assert "exclusive job on nodes with 8 GPU(s) each: the step asks for them" in output(proc)
+    for settings in ({"SLURM_GPUS_ON_NODE": "8"}, {"FAKE_OVERSUBSCRIBE": "OK"}, {"FAKE_GRES": "(null)"},
+                     {"DEVICE": "cpu"}):
+        proc, srun_args, _ = run(**settings)
+        assert proc.returncode == 0 and not any(a.startswith("--gres") for a in srun_args), (settings, srun_args)
+
+
+def multinode_dry_run(tmp_path: Path, **settings: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(MULTINODE), "model=gpt-nano"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=clean_env(DRY_RUN="1", **settings))
+
+
+@pytest.mark.dist
+def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
+    """The node has 8 GPUs (the NVIDIA driver's list, faked in GPU_INVENTORY; or Slurm's node
+    record) but the job sees none (no CUDA_VISIBLE_DEVICES, no nvidia-smi): one line naming
+    the count and the fixes, instead of training on one CPU worker. DEVICE=cpu trains on CPU
+    on purpose; GPUs the job sees are used; DEVICE=gpu refuses where none are visible."""
+    inventory = tmp_path / "gpus"
+    inventory.mkdir()
+    for i in range(8):
+        (inventory / f"0000:{i:02x}:00.0").mkdir()
+    path = f"{tmp_path / 'empty'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin"  # no nvidia-smi
+
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert proc.returncode == 1 and len(errors) == 1 and proc.stdout == "", output(proc)
+    assert "has 8 GPU(s) but this job sees none" in errors[0], errors
+    assert "--gpus-per-node=8" in errors[0] and "DEVICE=cpu" in errors[0], errors
+
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, DEVICE="cpu")
+    assert proc.returncode == 0 and "(DEVICE=cpu: 1 CPU worker" in proc.stderr, output(proc)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, CUDA_VISIBLE_DEVICES="0,1")
+    assert proc.returncode == 0 and "--nproc_per_node=2" in proc.stdout, output(proc)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(tmp_path / "none"), PATH=path, DEVICE="gpu")
+    assert proc.returncode == 1 and "DEVICE=gpu but no GPU is visible" in proc.stderr, output(proc)
+    proc = multinode_dry_run(tmp_path, DEVICE="tpu")
+    assert proc.returncode == 1 and "DEVICE=tpu: give auto" in proc.stderr, output(proc)
+
+    # Under Slurm, where the driver's list cannot be read: the node's Gres.
+    fake_command(tmp_path / "bin", "scontrol", FAKE_SCONTROL)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(tmp_path / "none"), PATH=f"{tmp_path / 'bin'}:{path}",
+                             FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_GRES="gpu:a100:4,gpu:v100:2",
+                             SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
+                             SLURM_NODEID="0", SLURMD_NODENAME="n1")
+    assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
+
+
+@pytest.mark.cli
+def test_sbatch_requeues_a_failed_step_within_the_requeue_limit(tmp_path):
+    """A step that fails mid-run (a lost node, a collective that timed out) is requeued like a
+    preempted one: same job, resumes from its snapshot. Not when it failed within
+    REQUEUE_MIN_STEP_SECONDS of its start (a setting or environment error a requeue would
+    repeat), not for bad input (exit code 2), and not past MAX_REQUEUES."""
+    log = tmp_path / "scontrol.log"
+
+    def run(**env: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+        log.unlink(missing_ok=True)
+        proc, _, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log),
+                                     FAKE_GRES="(null)", **env)
+        return proc, log.read_text().splitlines() if log.exists() else []
+
+    proc, calls = run(FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0", SLURM_RESTART_COUNT="3")
+    assert proc.returncode == 0 and "requeue 777" in calls, output(proc)
+    assert "training step failed after 0s (step exit code 1): requeueing job 777 (4 of at most 20)" in output(proc)
+
+    for settings, why in (({"FAKE_SRUN_EXIT": "143"}, "within REQUEUE_MIN_STEP_SECONDS=300 of its start"),
+                          ({"FAKE_SRUN_EXIT": "2", "REQUEUE_MIN_STEP_SECONDS": "0"}, "refused its input"),
+                          ({"FAKE_SRUN_EXIT": "1", "REQUEUE_MIN_STEP_SECONDS": "0", "SLURM_RESTART_COUNT": "5",
+                            "MAX_REQUEUES": "5"}, "already requeued 5 times (MAX_REQUEUES=5)")):
+        proc, calls = run(**settings)
+        assert proc.returncode == int(settings["FAKE_SRUN_EXIT"]), output(proc)
+        assert "requeue 777" not in calls and why in output(proc), (settings, output(proc))
+    proc, calls = run()
+    assert proc.returncode == 0 and "train.sbatch: done" in output(proc) and "requeue 777" not in calls
+
+
 # ---- pre-flight verdicts and the submitit CPU default (pure logic) -------------------------------
 def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.1+cu124", **extra) -> dict:
     return {"host": host, "workers": workers, "gpus": gpus, "gpu_models": ["NVIDIA H100 80GB HBM3"] if gpus else [],
@@ -309,7 +412,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
 
 @pytest.mark.unit
 def test_preflight_node_checks_name_the_node():
-    from mingpt_ddp.preflight import check_comm, check_nodes
+    from mingpt_ddp.preflight import check_comm, check_nodes, own_failure
 
     assert check_nodes([facts("gpu-1"), facts("gpu-2")]) is None
     problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=4)])
@@ -321,13 +424,20 @@ def test_preflight_node_checks_name_the_node():
     assert check_nodes([facts("cpu-1", workers=2, gpus=0), facts("cpu-2", workers=1, gpus=0)]) is None
 
     rows = [{"size": 1 << 20, "wrong": 0, "busbw_GBps": 40.0}, {"size": 1 << 28, "wrong": 0, "busbw_GBps": 180.5}]
-    nodes = [facts("gpu-1"), facts("gpu-2")]
-    assert check_comm({"ranks": 16, "rows": rows}, nodes, None) is None
-    assert check_comm({"ranks": 16, "rows": rows}, nodes, 150) is None
-    problem = check_comm({"ranks": 16, "rows": rows}, nodes, 300)
+    ranks = [facts("gpu-1")] * 8 + [facts("gpu-2")] * 8
+    fine = [None] * 16
+    assert check_comm({"ranks": 16, "rows": rows}, ranks, None, fine) is None
+    assert check_comm({"ranks": 16, "rows": rows}, ranks, 150, fine) is None
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, 300, fine)
     assert "busbw 180.500 GB/s at 268,435,456 bytes" in problem and "gpu-1, gpu-2" in problem, problem
     bad = [{**rows[0], "wrong": 3}, rows[1]]
-    assert "3 wrong value(s)" in check_comm({"ranks": 16, "rows": bad}, nodes, None)
+    assert own_failure({"rows": rows}) is None
+    failures = [None] * 9 + [own_failure({"rows": bad})] * 2 + [None] * 5
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, None, failures)
+    assert "3 wrong value(s) at 1048576 bytes on rank 9 (node gpu-2) (and on 1 more rank(s))" in problem, problem
+    nan = [{**rows[0], "timed_data_finite": False}, rows[1]]
+    problem = check_comm({"ranks": 16, "rows": rows}, ranks, None, [None] * 3 + [own_failure({"rows": nan})] + [None] * 12)
+    assert "non-finite values (inf/NaN) at 1048576 bytes on rank 3 (node gpu-1)" in problem, problem
 
 
 @pytest.mark.cli

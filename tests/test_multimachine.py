@@ -7,6 +7,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,7 +24,8 @@ import atexit, json, os, socket, sys
 _dir = os.environ.get("MINGPT_RANK_PROBE")
 def _record():
     if _dir and "RANK" in os.environ and sys.argv and sys.argv[0].endswith("main.py"):
-        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MACHINE")
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MACHINE", "MASTER_ADDR",
+                "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
         with open(os.path.join(_dir, f"{os.getpid()}.json"), "w") as f:
             json.dump({k: os.environ.get(k) for k in keys}, f)
 atexit.register(_record)
@@ -167,3 +169,51 @@ def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path
     assert "firewall" in message and "NCCL_SOCKET_IFNAME" in message, err
     assert "training" not in proc.stdout + err  # it never started torchrun
     assert not re.search(r"Traceback", err), err
+
+
+@pytest.mark.cli
+def test_preflight_reports_what_the_workers_see_and_their_transport(tmp_path):
+    """PREFLIGHT=only: each node's line gives the FI_*/NCCL_* variables as the workers see
+    them (a value set outside the launcher, as a container image's ENV, included), and the
+    comm sweep names each rank's transport (here gloo on the interface that reaches
+    HEAD_NODE, loopback)."""
+    proc = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env=machine_env(PREFLIGHT="only", NPROC_PER_NODE="2", RDZV_PORT=str(free_port()),
+                                          PREFLIGHT_MAX_BYTES="64KB", FI_PROVIDER="tcp", EFA="0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    node = next(line for line in out.splitlines() if line.startswith("preflight: node "))
+    assert "workers see: FI_PROVIDER=tcp GLOO_SOCKET_IFNAME=lo NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME==lo" in node, node
+    assert re.search(r"# transport, rank\(s\) 0,1 on \S+: gloo over TCP on interface lo \(GLOO_SOCKET_IFNAME\)", out), out
+
+
+STORE_CLOSES = '''
+import datetime, socket
+from mingpt_ddp import torchrun
+torchrun._import_torch_quietly()
+from torch.distributed import TCPStore
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+del server  # the head gave up: the agent's store call fails
+try:
+    client.get("never")
+except Exception as exc:
+    print("python:", str(exc).splitlines()[0])
+'''
+
+
+@pytest.mark.dist
+def test_the_agents_store_failures_print_no_cpp_frames():
+    """The agent (mingpt_ddp.torchrun) imports torch with c10's log at FATAL: a store call that
+    fails when the rendezvous host goes away reaches Python as one exception, without c10d's
+    warning and its C++ frames. c10 reads the level once, when torch is first imported, so
+    importing the package (its torch version check) must not import torch before the agent."""
+    env = {k: v for k, v in machine_env().items() if k != "TORCH_CPP_LOG_LEVEL"}
+    proc = subprocess.run([sys.executable, "-c", STORE_CLOSES], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and text.startswith("python: "), text
+    assert "frame #" not in text and "TCPStore.cpp" not in text, text

@@ -473,3 +473,26 @@ def test_two_runs_of_one_slurm_job_in_one_directory(tmp_path, small_corpus):
     text = must_pass(run_cli([*common, f"trainer.max_steps={saved + 2}"], cwd=tmp_path, timeout=300,
                              env={**job, "SLURM_STEP_ID": "0"}))
     assert "left by a run that is gone" in text and f"resumed from {run_dir}" in text, text
+
+
+@pytest.mark.unit
+def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_job):
+    """The loss is acted on at the next stop agreement; until then the saver already refuses
+    to write, so a run that lost its lock never writes beside the new holder."""
+    import torch
+    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
+
+    url = str(tmp_path / "snapshot.pt")
+    first = new_lock(url, heartbeat_s=0.1)
+    first.acquire()
+    saver = BackgroundSaver(SnapshotStore(url), retry_minutes=1, run_lock=first)
+    os.unlink(tmp_path / ".snapshot.lock")
+    second = new_lock(url)
+    second.acquire()
+    wait_for(lambda: first.lost, 10, "the holder to notice")
+    saver.submit({"model": {"w": torch.ones(2)}, "train_state": {"step": 3}, "vocab": "ab"}, 3)
+    error = saver.wait()
+    assert not list(tmp_path.glob("snapshot*.pt")), list(tmp_path.iterdir())
+    assert error and "lost the run lock" in error, error
+    first.release()
+    second.release()
