@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY, load_snapshot, output, run_cli
+from test_fault_tolerance import wait_for
 from test_rank_agreement import args, expect_config_error, must_pass
 
 
