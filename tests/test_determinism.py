@@ -63,6 +63,19 @@ def test_an_op_without_a_deterministic_kernel_is_one_line(restore_switches):
     assert determinism.explain(RuntimeError("CUDA out of memory")) is None
 
 
+@pytest.mark.unit
+def test_inductor_refusing_a_benchmark_in_its_deterministic_mode_is_one_line(monkeypatch):
+    """torch >= 2.10 raises a many-line RuntimeError from inside a compile (torchtitan#2055)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.runtime import benchmarking
+
+    monkeypatch.setattr(inductor_config, "deterministic", True)
+    with pytest.raises(RuntimeError) as caught:
+        benchmarking.may_ban_benchmarking()
+    error = determinism.explain(caught.value)
+    assert error is not None and "\n" not in str(error) and "trainer.compile=false" in str(error)
+
+
 @pytest.mark.cli
 def test_a_run_with_it_on_trains(tmp_path, small_corpus):
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=6",

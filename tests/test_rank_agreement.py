@@ -47,14 +47,29 @@ def expect_config_error(proc, *phrases):
 @pytest.mark.dist
 @pytest.mark.slow
 def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_corpus):
-    per_rank = f"trainer.snapshot_path={tmp_path}/snap_${{oc.env:RANK}}/snapshot.pt"  # each rank its own "disk"
-    must_pass(run_cli(args(tmp_path / "run", small_corpus, per_rank, "trainer.max_steps=4"), nproc=2))
+    """Rank 1 cannot see the snapshot rank 0 sees (a node-local disk, a stale listing): one
+    configuration for both, so the ranks' configurations agree and the snapshots must not."""
+    must_pass(run_cli(args(tmp_path / "run", small_corpus, "trainer.max_steps=4"), nproc=2))
+    script = tmp_path / "blind_rank1.py"
+    script.write_text(
+        "import os, runpy, sys\n"
+        "from mingpt_ddp import snapshot\n"
+        "load_latest = snapshot.SnapshotStore.load_latest\n"
+        "def blind(self, *a, **k):\n"
+        "    return None if os.environ['RANK'] == '1' else load_latest(self, *a, **k)\n"
+        "snapshot.SnapshotStore.load_latest = blind\n"
+        f"sys.argv[0] = {MAIN!r}\n"
+        f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
+    )
     start = time.monotonic()
-    proc = run_cli(args(tmp_path / "run", small_corpus, per_rank, "trainer.max_steps=8"), nproc=2, timeout=120)
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script),
+           *args(tmp_path / "run", small_corpus, "trainer.max_steps=8")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
     line = expect_config_error(proc, "rank 0: step 4 from", "rank 1: no snapshot", "trainer.snapshot_path",
                                "every node can read")
     assert time.monotonic() - start < 60, line
-    assert load_snapshot(tmp_path / "snap_0" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
+    assert load_snapshot(tmp_path / "run" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
 
 
 @pytest.mark.dist
