@@ -217,3 +217,18 @@ def test_the_agents_store_failures_print_no_cpp_frames():
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0 and text.startswith("python: "), text
     assert "frame #" not in text and "TCPStore.cpp" not in text, text
+
+
+@pytest.mark.cli
+def test_a_head_name_resolving_to_loopback_advertises_no_loopback_address(tmp_path):
+    """Under Slurm HEAD_NODE is a host name, which on the head itself often resolves to
+    127.0.1.1 (Debian's /etc/hosts): advertising that, or binding lo, would send the other
+    nodes to their own loopback. `localhost` stands for such a name here. An IP literal
+    (several "machines" on one host) keeps its route."""
+    topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="2")
+    assert "net=default (localhost resolves to 127." in topo, topo
+    assert "--local-addr" not in cmd and "IFNAME=lo" not in topo, (topo, cmd)
+    topo, cmd = resolve(tmp_path, HEAD_NODE="127.0.0.1", NNODES="2")
+    assert "net=lo 127.0.0.1" in topo and "--local-addr=127.0.0.1" in cmd, (topo, cmd)
+    topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="1")
+    assert "net=lo 127.0.0.1" in topo, topo
