@@ -226,9 +226,9 @@ def test_a_head_name_resolving_to_loopback_advertises_no_loopback_address(tmp_pa
     nodes to their own loopback. `localhost` stands for such a name here. An IP literal
     (several "machines" on one host) keeps its route."""
     topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="2")
-    assert "net=default (localhost resolves to 127." in topo, topo
+    assert "net=default (localhost resolves to " in topo, topo
     assert "--local-addr" not in cmd and "IFNAME=lo" not in topo, (topo, cmd)
     topo, cmd = resolve(tmp_path, HEAD_NODE="127.0.0.1", NNODES="2")
     assert "net=lo 127.0.0.1" in topo and "--local-addr=127.0.0.1" in cmd, (topo, cmd)
     topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="1")
-    assert "net=lo 127.0.0.1" in topo, topo
+    assert "net=lo " in topo, topo
