@@ -15,7 +15,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
 
   all:      out=PATH  wait_quiet=SECONDS (CPU: first wait up to this long for other
             processes to leave the cores idle; the JSON records how busy they were anyway)
-  peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (matrix sizes; device default)
+  peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (square sizes; device default); also
+            the configured model's own matmuls (model=..., data.block_size, trainer.batch_size)
   train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
             and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
@@ -28,9 +29,12 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             NET/<plugin>, read from NCCL's own INFO log). project=TRAIN.json (a `bench train`
             JSON of one process: its step time is the compute) hosts=2,4,8,16: DDP's step time
             at N hosts of the link just measured, step = compute + exposed comm
-  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16 and
-            what trainer.precision=auto decides; models=gpt-nano,experiment=char_cpu_fast,...
-            (one row each; `all`: the five presets and the fast CPU recipe)
+  precision: steps=3 (timed forward+backward passes per precision; CPU): fp32 vs bf16, what
+            trainer.precision=auto decides and how long that takes; models=gpt-nano,experiment=...
+            (one row each; `all`: the five presets and the two CPU recipes); avx2=true|false
+            (default: true on CPUs with more than AVX2): the same columns again for an AVX2-only
+            CPU, measured in a child process under ATEN_CPU_CAPABILITY=avx2
+            ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -45,6 +49,7 @@ the measured peak, and on known GPUs against the datasheet's dense peak.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 import platform
@@ -52,6 +57,7 @@ import re
 import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +70,8 @@ import torch.distributed as torch_dist
 
 from mingpt_ddp import config, distributed, storage
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog, default_peak_sizes, matmul_flops, mfu
+from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
+                                mfu)
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 # The bench's own options (keys without a dot); everything else goes to Hydra.
@@ -72,6 +79,7 @@ OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
     "project": None, "hosts": "2,4,8,16",
+    "avx2": None,
 }
 
 
@@ -108,16 +116,16 @@ def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
 
-    from mingpt_ddp import storage
+    from mingpt_ddp import parallel, storage
     from mingpt_ddp.main import load_corpus
-    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
     corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
     metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
                 "model_config": dict(vars(model_cfg)),
@@ -287,25 +295,37 @@ DTYPES = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, 
 
 
 def run_peak(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Dense matmul TFLOP/s per dtype and size: the rooflines MFU is quoted against."""
+    """Dense matmul TFLOP/s per dtype: at square sizes, and at the configured model's own
+    matmuls (rows = batch x block), which is what a run's MFU is quoted against. Bounded in
+    time on every CPU: a size whose one matmul would take over MAX_MATMUL_SECONDS (bf16 or
+    fp16 emulated in software) is rated from one matmul of a few rows, and marked."""
     device = dist.device
     sizes = [int(s) for s in str(options["sizes"]).split(",")] if options["sizes"] else list(default_peak_sizes(device))
     names = ["fp32", "tf32", "bf16", "fp16"] if device.type == "cuda" else ["fp32", "bf16"]
     seconds = float(options["seconds"])
+    cfg = compose(overrides)
+    d = cfg.model.n_embd
+    tokens = cfg.trainer.batch_size * cfg.data.block_size
+    shapes = {"qkv": (tokens, d, 3 * d), "mlp up": (tokens, d, 4 * d), "mlp down": (tokens, 4 * d, d)}
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
-    rows, best = [], {}
+    rows, best, model_peak = [], {}, {}
     tf32_before = torch.backends.cuda.matmul.allow_tf32
     try:
         for name in names:
             torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            for n in sizes:
-                rate = matmul_flops(device, DTYPES[name], n, seconds)
-                rows.append({"dtype": name, "n": n, "tflops": rate / 1e12})
+            for label, shape in [*((str(n), (n, n, n)) for n in sizes), *shapes.items()]:
+                rate = matmul_flops(device, DTYPES[name], shape, seconds, min_rows=shape[0])
+                one_matmul_s = 2 * shape[0] * shape[1] * shape[2] / rate
+                rows.append({"dtype": name, "matmul": label, "shape": list(shape), "tflops": rate / 1e12,
+                             "one_matmul_s": one_matmul_s, "from_gauge": one_matmul_s > MAX_MATMUL_SECONDS})
                 best[name] = max(best.get(name, 0.0), rate / 1e12)
+            model_peak[name] = max(r["tflops"] for r in rows if r["dtype"] == name and r["matmul"] in shapes)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32_before
-    return {"rows": rows, "peak_tflops": best, "other_cpu_busy": noise.fraction()}
+    emulated = [n for n in ("bf16", "fp16") if n in model_peak and model_peak[n] * EMULATED_SLOWDOWN < model_peak["fp32"]]
+    return {"rows": rows, "peak_tflops": best, "model": {**_container(cfg.model), "tokens": tokens},
+            "model_peak_tflops": model_peak, "emulated": emulated, "other_cpu_busy": noise.fraction()}
 
 
 def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -369,7 +389,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "block_size": trainer.block_size,
         "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
-        "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
+        "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
@@ -824,21 +844,56 @@ def project_ddp_step(compute: dict[str, Any], rows: list[dict[str, Any]], hosts:
             "compute_ms": 1e3 * compute_s, "step_ms": 1e3 * (compute_s + exposed_s)}
 
 
-PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast")
+PRECISION_TABLE = ("gpt-nano", "gpt-micro", "gpt-mini", "gopher-44m", "gpt2", "experiment=char_cpu_fast",
+                   "experiment=shakespeare_char_cpu")
+# What makes a CPU with AVX-512 (and AMX) run like an AVX2-only one (AMD Zen 2/3, most
+# laptops): ATen's AVX2 kernels, oneDNN and MKL limited to AVX2, so bf16 has no instructions.
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+SLOW_PASS_SECONDS = 10.0  # a pass of a precision the matmul probe finds several times slower: at most this long
+
+
+def precision_row(model, batch: int, block: int, steps: int) -> dict[str, Any]:
+    """fp32 and bf16 forward+backward seconds at `batch` x `block`, and what auto decides and
+    how long that took (cold cache). bf16 where its matmuls are slower (emulated): one pass
+    of as many sequences as fit into SLOW_PASS_SECONDS at their slowdown, or none."""
+    from mingpt_ddp import precision
+
+    fp32 = precision.step_seconds(model, "fp32", batch, block, steps)
+    slowdown = precision.bf16_matmul_slowdown(model.cfg.n_embd, batch * block)
+    row: dict[str, Any] = {"fp32_tokens_per_s": batch * block / fp32, "bf16_matmul_slowdown": slowdown}
+    # Full timed passes only where bf16's matmuls are faster (so its passes cost less than
+    # fp32's, already paid); else one pass, of as many sequences as fit the bound. gpt2
+    # under the AVX2 emulation showed 2.9x slower matmuls and four 90 s bf16 passes.
+    sequences = batch if slowdown < 1.0 else int(SLOW_PASS_SECONDS / (fp32 / batch * slowdown))
+    if slowdown < 1.0:
+        bf16 = precision.step_seconds(model, "bf16", batch, block, steps)
+    elif sequences >= 1:
+        sequences = min(sequences, batch)
+        bf16 = precision.pass_seconds(copy.deepcopy(model).train(), "bf16", sequences, block) * batch / sequences
+    else:
+        bf16 = None
+    row.update(bf16_sequences=min(sequences, batch), bf16_tokens_per_s=batch * block / bf16 if bf16 else None,
+               bf16_vs_fp32=fp32 / bf16 if bf16 else 1 / slowdown)
+    with tempfile.TemporaryDirectory() as scratch:
+        started = time.perf_counter()
+        row["auto_choice"] = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "p.json"))
+        row["auto_seconds"] = time.perf_counter() - started
+    row["faster"] = "bf16" if row["bf16_vs_fp32"] > 1 else "fp32"
+    return row
 
 
 def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """What `trainer.precision=auto` decides on this CPU, and the fp32/bf16 forward+backward
-    times behind it, at the configured batch (auto's own probe too, capped at precision.PROBE_FLOPS per pass),
-    measured afresh (the cache is neither read nor written). `models=` takes presets and
-    experiments (comma-separated; `all`: the five presets and the fast CPU recipe) for one
-    row each, with how much slower auto's choice is than the faster of the two."""
-    from mingpt_ddp import precision
-
+    """What `trainer.precision=auto` decides on this CPU and how long deciding took (cold
+    cache), and the fp32/bf16 forward+backward speeds behind it at the configured batch.
+    `models=` takes presets and experiments (comma-separated; `all`: PRECISION_TABLE) for one
+    row each. On a CPU with more than AVX2, `avx2=true` (the default there) measures the same
+    again in a child process under AVX2_ENV: the columns of an AVX2-only CPU."""
     if dist.device.type != "cpu":
         raise ConfigError("bench precision measures CPUs: on GPUs `auto` is bf16 with native bf16, else fp16")
     models = options["models"]
     entries = PRECISION_TABLE if models == "all" else (models.split(",") if models else [None])
+    emulate = str(options["avx2"]).lower() in ("1", "true", "yes") if options["avx2"] is not None else \
+        torch.backends.cpu.get_cpu_capability() != "AVX2" and "ATEN_CPU_CAPABILITY" not in os.environ
     wait_until_quiet(float(options["wait_quiet"]), dist)
     noise = CpuNoise(dist)
     steps = int(options["steps"] or 3)
@@ -848,18 +903,33 @@ def run_precision(dist, options: dict[str, Any], overrides: list[str]) -> dict[s
         cfg = compose([*overrides, *chosen, "trainer.precision=fp32"])
         model = build_trainer(cfg, dist).model
         batch, block = cfg.trainer.batch_size, cfg.data.block_size
-        seconds = {name: precision.step_seconds(model, name, batch, block, steps) for name in ("fp32", "bf16")}
-        with tempfile.TemporaryDirectory() as scratch:
-            choice = precision.measured_cpu_choice(model, batch, block, os.path.join(scratch, "precision.json"))
-        faster = min(seconds, key=seconds.get)
         rows.append({"config": entry or "as configured", "model": dict(_container(cfg.model)),
                      "parameters": model.num_params(non_embedding=False), "batch_size": batch, "block_size": block,
-                     "fp32_tokens_per_s": batch * block / seconds["fp32"],
-                     "bf16_tokens_per_s": batch * block / seconds["bf16"],
-                     "bf16_vs_fp32": seconds["fp32"] / seconds["bf16"], "faster": faster, "auto_choice": choice,
-                     "auto_slower_pct": 100 * (seconds[choice] / seconds[faster] - 1)})
+                     **precision_row(model, batch, block, steps)})
         del model
-    return {"rows": rows, "other_cpu_busy": noise.fraction()}
+    result = {"rows": rows, "other_cpu_busy": noise.fraction()}
+    if emulate:
+        result["avx2_rows"] = avx2_precision_rows(options, overrides)
+    return result
+
+
+def avx2_precision_rows(options: dict[str, Any], overrides: list[str]) -> list[dict[str, Any]]:
+    """`bench precision` again in a child process whose torch, oneDNN and MKL use AVX2 at most."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "avx2.json")
+        args = [f"{k}={v}" for k, v in options.items() if v is not None and k not in ("out", "avx2", "wait_quiet")]
+        proc = subprocess.run([sys.executable, "-m", "mingpt_ddp.bench", "precision", *args, *overrides, "avx2=false",
+                               f"out={out}"], env={**os.environ, **AVX2_ENV}, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ConfigError(f"the AVX2-emulated run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        child = json.loads(Path(out).read_text())
+    if child["env"]["cpu"]["capability"] != "AVX2":
+        raise ConfigError(f"ATEN_CPU_CAPABILITY=avx2 left torch at {child['env']['cpu']['capability']}")
+    return child["rows"]
+
+
+def _auto(row: dict[str, Any]) -> str:
+    return row["auto_choice"] + ("" if row["auto_choice"] == row["faster"] else "!")
 
 
 def _container(node) -> dict[str, Any]:
@@ -882,9 +952,16 @@ def report(mode: str, result: dict[str, Any]) -> None:
     busy = result.get("other_cpu_busy")
     noise = f" | other processes kept {100 * busy:.0f}% of the cores busy" if busy is not None else ""
     if mode == "peak":
-        print_table(f"matmul peak: {where}{noise}", ["dtype", "n", "TFLOP/s"],
-                    [[r["dtype"], r["n"], r["tflops"]] for r in result["rows"]])
+        m = result["model"]
+        print_table(f"matmul peak: {where}{noise}", ["dtype", "matmul", "m x k x n", "TFLOP/s", "one matmul s"],
+                    [[r["dtype"], r["matmul"], "x".join(map(str, r["shape"])), r["tflops"],
+                      f"{r['one_matmul_s']:.3g}" + (" (rated from a few rows)" if r["from_gauge"] else "")]
+                     for r in result["rows"]])
         print("best: " + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in result["peak_tflops"].items()))
+        print(f"at the model's matmuls ({m['n_layer']}L/{m['n_embd']}d, {m['tokens']} tokens per micro-batch; what "
+              "its MFU is quoted against): " + ", ".join(f"{k} {v:.3f}" for k, v in result["model_peak_tflops"].items())
+              + " TFLOP/s" + "".join(f"; {n} is emulated here (slower than fp32): MFU in {n} is quoted against fp32"
+                                     for n in result["emulated"]))
     elif mode == "train":
         m = result["model"]
         print_table(
@@ -913,14 +990,21 @@ def report(mode: str, result: dict[str, Any]) -> None:
                     ["", "parameters MiB", "gradients MiB", "optimizer MiB", "total MiB"],
                     [[name, *values] for name, values in mib.items()])
     elif mode == "precision":
-        print_table(f"precision, forward+backward at each config's batch: {where}{noise}",
-                    ["config", "layers/dim", "batch x block", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "faster",
-                     "auto", "auto slower %"],
-                    [[r["config"], f"{r['model']['n_layer']}L/{r['model']['n_embd']}d",
-                      f"{r['batch_size']}x{r['block_size']}", r["fp32_tokens_per_s"], r["bf16_tokens_per_s"],
-                      r["bf16_vs_fp32"], r["faster"], r["auto_choice"], r["auto_slower_pct"]] for r in result["rows"]])
-        print("auto: its own probe (the micro-batch, fewer sequences on costly models; cached per CPU, torch, threads and model shape); "
-              "'auto slower %': its choice's time over the faster one's at the batch above")
+        avx2 = result.get("avx2_rows")
+        columns = ["config", "layers/dim", "batch x block", "fp32 tok/s", "bf16 tok/s", "bf16/fp32", "auto", "auto s"]
+        rows = [[r["config"], f"{r['model']['n_layer']}L/{r['model']['n_embd']}d", f"{r['batch_size']}x{r['block_size']}",
+                 r["fp32_tokens_per_s"], r["bf16_tokens_per_s"], r["bf16_vs_fp32"], _auto(r), r["auto_seconds"]]
+                for r in result["rows"]]
+        if avx2:
+            columns += ["AVX2: fp32 tok/s", "bf16 tok/s", "bf16/fp32", "auto", "auto s"]
+            for row, r in zip(rows, avx2):
+                row += [r["fp32_tokens_per_s"], r["bf16_tokens_per_s"], r["bf16_vs_fp32"], _auto(r), r["auto_seconds"]]
+        print_table(f"precision, forward+backward at each config's batch: {where}{noise}"
+                    + (" | AVX2: the same under " + " ".join(f"{k}={v}" for k, v in AVX2_ENV.items()) if avx2 else ""),
+                    columns, rows)
+        print("auto: what trainer.precision=auto chose and the seconds it took to decide (cold cache); '!' where it is "
+              "not the faster of the two at the batch above; bf16 tok/s '-': not run, a pass would take over "
+              f"{SLOW_PASS_SECONDS:g} s (bf16/fp32 from the matmul probe)")
     elif mode == "data":
         print_table(
             f"data: block {result['block_size']}, batch {result['batch_size']}x{result['grad_accum_steps']}, "
@@ -995,8 +1079,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if dist.is_main:
         report(mode, result)
         write_json(options["out"], mode, result)
-    distributed.barrier()  # no rank leaves (and closes its connections) while another still reports
-    distributed.teardown()
+    # No rank leaves (and closes its connections) while another still reports; then the
+    # group is destroyed while Python is whole, as main.py does: left to interpreter exit,
+    # gloo can abort a finished run (see distributed.shutdown).
+    distributed.shutdown(clean=True)
     return 0
 
 

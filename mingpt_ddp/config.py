@@ -41,6 +41,13 @@ class Precision(str, Enum):
     auto = "auto"  # bf16 on GPUs with native bf16 (Ampere+), else fp16; on CPU the faster of fp32 and bf16, timed
 
 
+class OptimizerName(str, Enum):
+    """Which optimizer trains the blocks' weight matrices (model.configure_optimizer)."""
+
+    adamw = "adamw"  # AdamW for every parameter
+    muon = "muon"  # Muon for the blocks' weight matrices, AdamW for the rest (muon.py)
+
+
 class TokenizerKind(str, Enum):
     """How text becomes token ids (tokenizer.py)."""
 
@@ -93,6 +100,9 @@ class DataConfig:
 
 @dataclass
 class OptimizerConfig:
+    # muon: Muon at muon_lr for the blocks' weight matrices (whole matrices: trainer.strategy=ddp
+    # only), AdamW at lr for embeddings, head, LayerNorms and biases; one LR schedule for both.
+    name: OptimizerName = OptimizerName.adamw
     lr: float = 6e-4
     min_lr: float = 6e-5
     weight_decay: float = 0.1
@@ -101,6 +111,8 @@ class OptimizerConfig:
     # Steps over which the cosine decays to min_lr; null: the run's planned steps. Fix it
     # to extend or shorten a run (max_epochs/max_steps) without changing its schedule.
     decay_steps: Optional[int] = None
+    muon_lr: float = 0.02  # optimizer.name=muon: the matrices' peak LR (scheduled as lr is)
+    muon_momentum: float = 0.95  # optimizer.name=muon: Nesterov momentum before orthogonalising
 
 
 @dataclass
@@ -123,6 +135,10 @@ class TrainerConfig:
     # the whole split of a text up to a few MB, bounded on a big corpus; null: the whole split.
     final_eval_batches: Optional[int] = 200
     log_every: int = 10
+    # The ranks agree on stop signals at every log step and at least this often (seconds of
+    # wall time, at a step derived from the measured pace): keep it well under the
+    # scheduler's grace period between SIGTERM and SIGKILL (Slurm's KillWait, 30 s).
+    stop_check_seconds: float = 5.0
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
     # Also snapshot every N minutes of wall time (rank 0's clock); null: every
@@ -303,6 +319,14 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9,0.95]")
     if o.decay_steps is not None:
         _positive(o.decay_steps, "optimizer.decay_steps", "or set it to null to decay over the whole run")
+    if o.name == OptimizerName.muon:
+        _positive(o.muon_lr, "optimizer.muon_lr", "set optimizer.muon_lr, e.g. optimizer.muon_lr=0.02")
+        if not 0.0 <= o.muon_momentum < 1.0:
+            raise ConfigError(f"optimizer.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
+        if t.strategy == Strategy.fsdp:
+            raise ConfigError("optimizer.name=muon orthogonalises whole weight matrices, which trainer.strategy=fsdp "
+                              "shards over the ranks: use trainer.strategy=ddp with muon, or optimizer.name=adamw "
+                              "with fsdp")
     if o.warmup_steps < 0 or o.weight_decay < 0:
         raise ConfigError("optimizer.warmup_steps and optimizer.weight_decay must not be negative")
     _positive(t.max_epochs, "trainer.max_epochs", "set trainer.max_epochs=<number of epochs>")
@@ -317,6 +341,7 @@ def validate(cfg: Any) -> None:
     for name in ("eval_batches", "final_eval_batches"):
         if t[name] is not None:
             _positive(t[name], f"trainer.{name}", "set it to null to evaluate the whole split")
+    _positive(t.stop_check_seconds, "trainer.stop_check_seconds", "set it to a few seconds, e.g. 5")
     if t.snapshot_every_steps is not None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
     if t.snapshot_every_minutes is not None and t.snapshot_every_minutes < 0:
@@ -334,6 +359,22 @@ def validate(cfg: Any) -> None:
     if t.load_retry_minutes < 0:
         raise ConfigError(f"trainer.load_retry_minutes={t.load_retry_minutes} must be >= 0 (0: no retries)")
     collective_timeout_minutes(t)
+
+
+def flat_resolved(cfg: Any) -> dict[str, Any]:
+    """Every value of a config (a DictConfig, resolved, or plain containers) by its dotted key."""
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True) if OmegaConf.is_config(cfg) else cfg
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict) and value:
+            for key, item in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), item)
+        else:
+            flat[prefix] = value
+
+    walk("", container)
+    return flat
 
 
 def collective_timeout_minutes(t: Any) -> float:

@@ -6,7 +6,9 @@ snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user ca
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import logging
 import os
 import signal
@@ -23,7 +25,7 @@ from mingpt_ddp.dependencies import require  # noqa: E402 (standard library only
 
 require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing one, not a traceback per rank
 
-from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE  # noqa: E402 (standard library only)
+from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, record_stop_signals  # noqa: E402 (standard library only)
 
 
 def _stop_at_once_on_ctrl_c(signum, frame) -> None:
@@ -36,23 +38,27 @@ def _stop_at_once_on_ctrl_c(signum, frame) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, _stop_at_once_on_ctrl_c)
+    # SIGUSR1 from now on asks for a stop (acted on at the first agreement of the ranks), even
+    # during start-up or between the points of a sweep.
+    record_stop_signals()
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp import cluster, config, distributed, loggers, parallel, profiling, sample, storage, token_cache, tokenizer
+from mingpt_ddp import (cluster, config, distributed, loggers, parallel, preemption, profiling, sample, storage,
+                        time_budget, token_cache, tokenizer)
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
-from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.run_lock import RunLock
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
-from mingpt_ddp.time_budget import TimeBudget
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -162,8 +168,16 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any],
     return found
 
 
-def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary) -> None:
-    """Refuse a snapshot made for another model or vocabulary, saying which part differs."""
+def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary,
+                     optimizer: str = "adamw") -> None:
+    """Refuse a snapshot made for another model, vocabulary or optimizer, saying which part differs."""
+    saved_optimizer = snapshot.get("config", {}).get("optimizer", {}).get("name", "adamw")
+    if saved_optimizer != optimizer:
+        raise ConfigError(
+            f"snapshot {where} was trained with optimizer.name={saved_optimizer} but the config says {optimizer} "
+            f"(its state does not carry over): set optimizer.name={saved_optimizer} to resume it, or use a new "
+            "hydra.run.dir / trainer.snapshot_path to start over with another optimizer"
+        )
     saved = snapshot["model_config"]
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         if saved[key] != getattr(model_cfg, key):
@@ -249,20 +263,25 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
-        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab), dist)
+        optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
+        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab, optimizer), dist)
+        lifted = time_budget.lift_changed_plan(snapshot, cfg.trainer.time_budget_minutes)
+        if lifted and dist.is_main:
+            log.info(lifted)
         state = TrainState(**snapshot["train_state"])
         if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
             if dist.is_main:
-                log.info(
-                    "run already finished (epoch %d, step %d, snapshot %s): nothing to do; raise "
-                    "trainer.max_epochs/max_steps to train further, or start a new run", state.epoch, state.step, where,
-                )
+                by_plan = not is_finished(dataclasses.replace(state, planned_steps=None), cfg.trainer)
+                further = (time_budget.how_to_extend(state, cfg.trainer.time_budget_minutes) if by_plan
+                           else "raise trainer.max_epochs/max_steps to train further")
+                log.info("run already finished (epoch %d, step %d, snapshot %s): nothing to do; %s, or start a new run",
+                         state.epoch, state.step, where, further)
             return "finished earlier", state.last_val_loss, store.url
         if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
             corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)  # under FSDP: on the meta device, shards filled in later
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
 
     metadata = {
@@ -283,9 +302,10 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
         if sharded:  # every rank saves its own shard
             saver = parallel.ShardedSaver(store)
         else:
-            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes) if dist.is_main else None
+            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
-                          token_bytes=torch.from_numpy(tok.byte_lengths()))
+                          token_bytes=torch.from_numpy(tok.byte_lengths()),
+                          resumed_precision=snapshot.get("precision") if found is not None else None)
         if found is not None:
             if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
                 shards = trainer.strategy.state_dicts(trainer.optimizer)
@@ -297,7 +317,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
                             f"{store.display(store.root)})" if ddp_files is not None else ""))
         metrics.total_steps = trainer.total_steps
         if cfg.trainer.time_budget_minutes:
-            trainer.step_callbacks.append(TimeBudget(cfg.trainer.time_budget_minutes))
+            trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -340,6 +360,64 @@ def _agreed_run_dir(dist: DistEnv) -> str:
     return run_dir
 
 
+# Each node may keep its token cache in its own place (a node-local disk).
+PER_NODE_KEYS = ("data.cache_dir",)
+
+
+def _check_ranks_resolved_the_same(cfg: DictConfig) -> None:
+    """Every rank must train the configuration rank 0 does: an ${oc.env:...} that differs
+    between nodes, or a per-rank path, would go unnoticed (with the per-node token file only
+    each node's local rank 0 reads data.path). A hash per rank, then the keys that differ."""
+    try:
+        flat = config.flat_resolved(cfg)
+        problem = None
+    except OmegaConfBaseException as exc:
+        flat, problem = {}, f"cannot resolve the configuration: {exc}"
+    mine = {k: v for k, v in flat.items() if k not in PER_NODE_KEYS}
+    digest = hashlib.sha256(repr(sorted(mine.items())).encode()).hexdigest()
+    if len(set(distributed.all_gather_object((digest, problem)))) == 1:
+        if problem:
+            raise ConfigError(problem)
+        return
+    shown = config.flat_resolved(storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))) \
+        if problem is None else {}
+    ranks = distributed.all_gather_object((mine, shown, problem))
+    failed = [(rank, p) for rank, (_, _, p) in enumerate(ranks) if p]
+    if failed:
+        raise ConfigError(f"rank {failed[0][0]} {failed[0][1]}")
+    every_key = set().union(*(m for m, _, _ in ranks))
+    keys = sorted(k for k in every_key if len({repr(m.get(k, "<missing>")) for m, _, _ in ranks}) > 1)
+    secret = storage.is_secret_name(keys[0].rsplit(".", 1)[-1])
+    values = ", ".join(f"rank {rank}: {storage.REDACTED if secret else theirs.get(keys[0], '<missing>')}"
+                       for rank, (_, theirs, _) in enumerate(ranks[:4]))
+    raise ConfigError(
+        f"ranks resolved different configurations: {', '.join(keys)} ({keys[0]}: {values}"
+        f"{', ...' if len(ranks) > 4 else ''}): every rank must train the same configuration; set these keys on "
+        "the command line, or give the environment variables they read (${oc.env:...}) the same value on every node"
+    )
+
+
+class _EndProcess(BaseException):
+    """Ends the process with `code`, from inside a sweep: torchrun's @record turns
+    SystemExit(0) into a plain return, after which Hydra would start the next point."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+_ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
+
+
+def _stop_exit_code(signum: int) -> int:
+    """Ctrl-C: 130 as shells expect (0 under torchrun, which would restart or report a failed
+    worker). SIGTERM/SIGUSR1: 0, a clean stop after a snapshot, which launch/train.sbatch
+    requeues after SIGUSR1 and torchrun neither restarts nor reports as failed."""
+    if signum == signal.SIGINT and not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return INTERRUPTED_EXIT_CODE
+    return 0
+
+
 def _report_error(message: str) -> None:
     """One `error:` line from the rank that hit it (prefixed with its rank unless 0), once
     when every rank hit it. Exiting non-zero then ends the job: torchrun stops the other
@@ -363,6 +441,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
+        _check_ranks_resolved_the_same(cfg)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except ConfigError as exc:
@@ -384,17 +463,32 @@ def main(cfg: DictConfig) -> Optional[float]:
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
-    if status == "stopped by SIGINT":  # Ctrl-C: the snapshot is saved; end the job (and any sweep).
-        # 130 as shells expect; 0 under torchrun, which would restart or report a failed worker.
-        sys.exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else INTERRUPTED_EXIT_CODE)
+    # A stop signal ends the job, a sweep included: after the point it stopped (its snapshot
+    # is saved), or after the point during whose end it came, never starting the next one.
+    stopped_by = signal.Signals[status.split()[-1]] if status.startswith("stopped by ") else 0
+    if in_sweep and not stopped_by:
+        stopped_by = max(distributed.all_gather_object(preemption.received()))
+    if stopped_by and in_sweep and int(os.environ.get("RANK", "0")) == 0:
+        log.info("sweep stopped by %s after point %s: run the same command to resume it (finished points are "
+                 "skipped, a stopped one resumes from its snapshot)", signal.Signals(stopped_by).name,
+                 HydraConfig.get().job.num)
+    if stopped_by == signal.SIGINT or (stopped_by and in_sweep):
+        if _ran_by_cli:  # a sweep of this process's own: through Hydra and torchrun's @record to run()
+            raise _EndProcess(_stop_exit_code(stopped_by))
+        sys.exit(_stop_exit_code(stopped_by))  # a launcher's job (submitit) for this point alone
     return val_loss
 
 
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
+    global _ran_by_cli
+    _ran_by_cli = True
     try:
         main()
+    except _EndProcess as end:
+        distributed.shutdown(clean=False)
+        sys.exit(end.code)
     except SystemExit:
         distributed.shutdown(clean=False)  # a rank may have stopped alone: no waiting for the others
         raise

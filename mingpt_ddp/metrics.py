@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -109,7 +110,7 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
-_PEAK_CACHE: dict[tuple, float] = {}
+_PEAK_CACHE: dict[tuple, "Peak"] = {}
 
 
 def default_peak_sizes(device: torch.device) -> tuple[int, ...]:
@@ -118,15 +119,17 @@ def default_peak_sizes(device: torch.device) -> tuple[int, ...]:
     return (4096, 8192) if device.type == "cuda" else (1536, 2048)
 
 
-MAX_MATMUL_SECONDS = 0.5  # one timed matmul of the peak measurement, at most
+MAX_MATMUL_SECONDS = 0.5  # one timed matmul of `bench peak`'s square sizes, at most
+GAUGE_ROWS = 16  # rows of the one matmul that first tells how long a full-size one would take
+MIN_PEAK_ROWS = 512  # a fast dtype's rate is measured on at least this many rows (or all the model has)
+EMULATED_SLOWDOWN = 1.5  # a low precision this much slower than fp32 on the model's matmuls is emulated
 
 
 def affordable_peak_sizes(device: torch.device, dtype: torch.dtype) -> tuple[int, ...]:
     """`default_peak_sizes`, less those whose single matmul would take over
     MAX_MATMUL_SECONDS: a CPU without fast kernels for a dtype (fp16 on most, bf16 on old
-    ones) runs a 2048-size matmul for tens of seconds, which a run would wait for at start.
-    A 256-size probe gives the rate; if no default size fits, the largest power of two
-    from 1024 down that does."""
+    ones) runs a 2048-size matmul for tens of seconds. A 256-size probe gives the rate; if
+    no default size fits, the largest power of two from 1024 down that does."""
     sizes = default_peak_sizes(device)
     if device.type != "cpu":
         return sizes
@@ -135,53 +138,114 @@ def affordable_peak_sizes(device: torch.device, dtype: torch.dtype) -> tuple[int
     return tuple(fits) or next(((n,) for n in (1024, 512) if 2 * n**3 / rate <= MAX_MATMUL_SECONDS), (256,))
 
 
-def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, seconds: float = 0.2) -> float:
-    """Dense n x n x n matmul rate in FLOP/s: the best of several short timing windows.
+Shape = tuple[int, int, int]  # (rows, inner, columns) of one matmul: (m x k) @ (k x n)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype, shape: int | Shape, seconds: float = 0.2,
+                 min_rows: int = 1) -> float:
+    """Dense matmul rate in FLOP/s for `shape` (an int: square): the best of several
+    short timing windows, `seconds` in all.
 
     Other work on the machine can only slow a window down, so the fastest window is the
-    best estimate of what the hardware does (CPUs shared with other jobs are noisy).
+    best estimate of what the hardware does (CPUs shared with other jobs are noisy). The
+    time is bounded for any dtype: a matmul of GAUGE_ROWS rows first tells how many rows
+    fit three matmuls into `seconds`; never fewer than `min_rows` (a rate on fewer would
+    understate a fast dtype) unless one such matmul would take over MAX_MATMUL_SECONDS,
+    and then that first matmul's rate is the answer (a dtype that slow is emulated).
     """
+    m, k, n = (shape,) * 3 if isinstance(shape, int) else shape
     # A private generator: measuring must not move the global RNG, or the first trainer of a
     # process (rank 0 only) would draw other dropout masks than the same run in a sweep.
     generator = torch.Generator(device=device).manual_seed(0)
-    a = torch.randn(n, n, device=device, generator=generator).to(dtype)
-    b = torch.randn(n, n, device=device, generator=generator).to(dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, generator=generator).to(dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.matmul(a, b, out=out)  # first call: library initialisation, packing buffers
-    sync()
-    start = time.perf_counter()
-    torch.matmul(a, b, out=out)
-    sync()
-    once = max(time.perf_counter() - start, 1e-6)
+
+    def timed(a: torch.Tensor, out: torch.Tensor, calls: int = 1) -> float:
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.matmul(a, b, out=out)
+        sync()
+        return max(time.perf_counter() - start, 1e-6)
+
+    gauge = min(m, GAUGE_ROWS)
+    a = torch.randn(gauge, k, device=device, generator=generator).to(dtype)
+    out = torch.empty(gauge, n, device=device, dtype=dtype)
+    timed(a, out)  # first call: library initialisation, packing buffers
+    per_row = timed(a, out) / gauge
+    if per_row * gauge * 3 < seconds:  # cheap enough: the best of three, as one call may be preempted
+        per_row = min(per_row, timed(a, out) / gauge, timed(a, out) / gauge)
+    rows = min(m, int(seconds / 3 / per_row))
+    if rows < min(m, min_rows):
+        if per_row * min(m, min_rows) > MAX_MATMUL_SECONDS:  # a dtype this slow: the gauge is its rate
+            return 2 * k * n / per_row
+        rows = min(m, min_rows)  # costly but affordable: a few single-matmul windows
+    a = torch.randn(rows, k, device=device, generator=generator).to(dtype)
+    out = torch.empty(rows, n, device=device, dtype=dtype)
+    once = timed(a, out)  # also this size's own first call
     per_window = max(1, int(0.03 / once))  # windows of ~30 ms: long enough to time, many of them
     best, deadline = 0.0, time.perf_counter() + seconds
     while True:
-        start = time.perf_counter()
-        for _ in range(per_window):
-            torch.matmul(a, b, out=out)
-        sync()
-        best = max(best, 2 * n**3 * per_window / (time.perf_counter() - start))
+        best = max(best, 2 * rows * k * n * per_window / timed(a, out, per_window))
         if time.perf_counter() >= deadline:
             return best
 
 
-def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> float:
-    """This device's dense matmul rate in FLOP/s for `dtype`, measured, not looked up.
+@dataclass(frozen=True)
+class Peak:
+    """The matmul rate MFU is quoted against, and which precision reaches it."""
 
-    The roofline that MFU is quoted against: a table of vendor peaks would be wrong for
-    CPUs, which differ per machine, and optimistic for GPUs (clocks, power limits). The
-    best rate over a few matrix sizes (`default_peak_sizes`) and timing windows, for the
+    flops: float
+    dtype: str  # the precision whose rate `flops` is: the one in use, or fp32 where that one is emulated
+    slowdown: float = 1.0  # the precision in use: its matmul time over fp32's on these shapes (CPU)
+
+    @property
+    def emulated(self) -> bool:
+        """A low precision slower than fp32 on the model's own matmuls: no instructions for it
+        (bf16 without AVX512-BF16/AMX, fp16 on most CPUs), so its casts and software
+        arithmetic cost more than fp32 itself."""
+        return self.slowdown > EMULATED_SLOWDOWN
+
+
+def measured_peak(device: torch.device, dtype: torch.dtype, shapes: Optional[list[Shape]] = None,
+                  seconds: float = 0.3) -> Peak:
+    """This device's matmul rate in FLOP/s for `dtype` at the model's own matmul `shapes`
+    (None: the square `default_peak_sizes`), measured, not looked up: the roofline MFU is
+    quoted against.
+
+    At the model's shapes the model's matmuls cannot run faster than measured, so MFU
+    stays under 100%, where a peak from larger square matmuls would flatter them and one
+    from smaller ones would not bound them. A table of vendor peaks would be wrong for CPUs,
+    which differ per machine. On a CPU a low precision is measured against fp32 too: where
+    it is slower (emulated), the peak is fp32's, the precision actually fast there. The
+    best rate over the shapes and timing windows, bounded in time for every dtype, for the
     current thread count (CPU) and TF32 setting (fp32 on CUDA), cached per process.
     """
     tf32 = device.type == "cuda" and dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    key = (str(device), dtype, torch.get_num_threads(), tf32)
+    shapes = sorted(set(shapes)) if shapes else None
+    key = (str(device), dtype, torch.get_num_threads(), tf32, tuple(shapes or ()))
     if key not in _PEAK_CACHE:
-        sizes = affordable_peak_sizes(device, dtype)
-        _PEAK_CACHE[key] = max(matmul_flops(device, dtype, n, seconds / len(sizes)) for n in sizes)
+        sizes: list = list(shapes or affordable_peak_sizes(device, dtype))
+
+        def rate(d: torch.dtype) -> float:
+            return max(matmul_flops(device, d, s, seconds / len(sizes), MIN_PEAK_ROWS) for s in sizes)
+
+        name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        own = rate(dtype)
         if device.type == "cuda":  # the probe's matrices (~0.8 GB at 8192) would stay cached on this GPU only
             torch.cuda.empty_cache()
+        if device.type == "cpu" and dtype != torch.float32:
+            fp32 = rate(torch.float32)
+            if fp32 > own:
+                _PEAK_CACHE[key] = Peak(fp32, "fp32", fp32 / own)
+                return _PEAK_CACHE[key]
+        _PEAK_CACHE[key] = Peak(own, name)
     return _PEAK_CACHE[key]
+
+
+def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3,
+                        shapes: Optional[list[Shape]] = None) -> float:
+    """`measured_peak(...).flops`."""
+    return measured_peak(device, dtype, shapes, seconds).flops
 
 
 # Dense (no sparsity) tensor-core peaks per GPU from NVIDIA's datasheets, TFLOP/s: the

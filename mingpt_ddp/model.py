@@ -8,11 +8,13 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from mingpt_ddp.muon import Muon
 
 
 @dataclass
@@ -97,6 +99,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        # One draw from the global generator, on the CPU also when built on the meta device,
+        # before anything else draws: the seed of every initial value, wherever and whenever
+        # they are filled in (init_weights).
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -104,20 +110,34 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
-        self.apply(self._init_weights)
-        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so depth does not grow the stream.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.wte.weight.is_meta:
+            self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, fill: Optional[Callable[[torch.Tensor, torch.Tensor], object]] = None) -> None:
+        """GPT-2's initialisation: weights normal(0, 0.02), residual projections 0.02/sqrt(2 *
+        n_layer) so depth does not grow the stream, zero biases, unit LayerNorms.
+
+        Each parameter is drawn whole on the CPU, in a fixed order, from a generator seeded by
+        `init_seed`: a model built on the meta device and sharded first (FSDP) gets the same
+        values as one built whole. `fill(parameter, value)` writes one (default: copy_).
+        """
+        self.lm_head.weight = self.wte.weight  # still tied (Module.to_empty from the meta device unties them)
+        generator = torch.Generator().manual_seed(self.init_seed)
+        modules = dict(self.named_modules())
+        for name, p in self.named_parameters():  # the tied head once, as wte.weight
+            value = torch.empty(p.shape, device="cpu")
+            if isinstance(modules[name.rpartition(".")[0]], nn.LayerNorm):
+                value.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                value.zero_()
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                value.normal_(0.0, std, generator=generator)
+            if fill is None:
+                p.copy_(value)
+            else:
+                fill(p, value)
 
     def forward(
         self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
@@ -149,15 +169,30 @@ class GPT(nn.Module):
         T = seq_len or self.cfg.block_size
         return 6 * self.num_params() + 12 * self.cfg.n_layer * T * self.cfg.n_embd
 
+    def matmul_shapes(self, rows: int) -> list[tuple[int, int, int]]:
+        """(rows, inner, columns) of the largest matmuls a pass over `rows` tokens runs (qkv,
+        the MLP's two, the head): where the peak that MFU is quoted against is measured."""
+        d, vocab = self.cfg.n_embd, self.cfg.vocab_size
+        return [(rows, d, 3 * d), (rows, d, 4 * d), (rows, 4 * d, d)] + ([(rows, d, vocab)] if vocab > d else [])
+
     def configure_optimizer(
-        self, lr: float, weight_decay: float, betas: tuple[float, float], device_type: str
-    ) -> torch.optim.AdamW:
-        """AdamW with weight decay on matrices only (not on biases, LayerNorms)."""
-        params = [p for p in self.parameters() if p.requires_grad]
+        self, lr: float, weight_decay: float, betas: tuple[float, float], device_type: str,
+        muon_lr: Optional[float] = None, muon_momentum: float = 0.95, ns_dtype: torch.dtype = torch.float32,
+    ) -> torch.optim.Optimizer:
+        """AdamW with weight decay on matrices only (not on biases, LayerNorms). With
+        `muon_lr`: Muon for the blocks' weight matrices at that LR (orthogonalised in
+        `ns_dtype`), AdamW for the rest (embeddings and the tied head with weight decay)."""
+        params = {name: p for name, p in self.named_parameters() if p.requires_grad}
+        muon = {name for name, p in params.items() if muon_lr is not None and p.dim() == 2
+                and name.startswith("blocks.")}
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for n, p in params.items() if p.dim() >= 2 and n not in muon], "weight_decay": weight_decay},
+            {"params": [p for p in params.values() if p.dim() < 2], "weight_decay": 0.0},
         ]
+        if muon_lr is not None:
+            groups.append({"params": [params[n] for n in params if n in muon], "weight_decay": weight_decay,
+                           "muon": True, "lr_scale": muon_lr / lr})
+            return Muon(groups, lr=lr, betas=tuple(betas), momentum=muon_momentum, ns_dtype=ns_dtype)
         fused_ok = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused_ok or None)
 

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -59,15 +60,48 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def cpu_name() -> str:
-    """The CPU's model name (what decides bf16 speed), from /proc/cpuinfo where there is one."""
+    """The CPU's model name, from /proc/cpuinfo where there is one. In virtual machines it
+    is often generic ("AMD EPYC" for CPUs with and without AVX512-BF16): not a key alone."""
+    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
+
+
+def _cpuinfo_field(name: str) -> str:
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == name:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
+
+
+# CPU flags that decide how fast bf16 (and fp16) matmuls are: x86 ("flags") and Arm ("Features").
+SPEED_FLAGS = re.compile(r"avx|amx|fma|f16c|bf16|fp16|fphp|vnni|sve|i8mm|asimd|neon")
+# Environment variables that change which kernels torch, oneDNN and MKL use (the AVX2 emulation).
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+              "MKL_DEBUG_CPU_TYPE")
+
+
+def cpu_facts() -> dict:
+    """What decides whether bf16 beats fp32 on this CPU, as far as it can be read: the
+    model name, the instruction-set flags, the kernels torch dispatches to (and the
+    environment that limits them), torch's version and the thread count."""
+    flags = (_cpuinfo_field("flags") or _cpuinfo_field("Features")).split()
+    return {
+        "cpu": cpu_name(),
+        "flags": sorted(f for f in set(flags) if SPEED_FLAGS.search(f)),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def decision_key(facts: dict, model_cfg, batch_size: int, block_size: int) -> str:
+    """The cache key of one decision: the CPU's facts and the model's shape at its batch."""
+    shape = [model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd, model_cfg.vocab_size, block_size, batch_size]
+    return hashlib.sha256(json.dumps([facts, shape], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def precision_cache_file() -> str:
@@ -76,76 +110,176 @@ def precision_cache_file() -> str:
     return os.path.join(base, "precision.json")
 
 
+def probe_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A training-mode copy of `model` to time; one built on the meta device (FSDP) is
+    filled in on the CPU first."""
+    probe = copy.deepcopy(model).train()
+    if any(p.is_meta for p in probe.parameters()):
+        probe.to_empty(device="cpu")
+        probe.init_weights()
+    return probe
+
+
 def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int, steps: int = 3) -> float:
     """Seconds of one forward and backward pass of a copy of `model` under `name`'s autocast:
     the best of `steps` timed passes after a warm-up one. The caller's model, its gradients
     and the global random generators are left as they were."""
-    probe = copy.deepcopy(model).train()
-    plan = PrecisionPlan(name, "cpu")
+    probe = probe_copy(model)
+    pass_seconds(probe, name, batch_size, block_size)
+    return min(pass_seconds(probe, name, batch_size, block_size) for _ in range(steps))
+
+
+def pass_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int) -> float:
+    """Seconds of one forward and backward pass of `model` (a probe's own copy: its
+    gradients are cleared after) on fixed random tokens, global generators untouched."""
     generator = torch.Generator().manual_seed(0)
-    vocab = probe.cfg.vocab_size
+    vocab = model.cfg.vocab_size
     x = torch.randint(vocab, (batch_size, block_size), generator=generator)
     y = torch.randint(vocab, (batch_size, block_size), generator=generator)
-    best = float("inf")
     with torch.random.fork_rng(devices=[]):  # dropout draws from the global generator
-        for i in range(steps + 1):
+        started = time.perf_counter()
+        with PrecisionPlan(name, "cpu").autocast():
+            _, loss = model(x, y)
+        loss.backward()
+        seconds = time.perf_counter() - started
+    model.zero_grad(set_to_none=True)
+    return seconds
+
+
+MATMUL_PROBE_FLOPS = 5e7  # the pre-probe's matmul: about a millisecond in fp32, tens where bf16 is emulated
+MATMUL_LOSING = 3.0  # bf16 matmuls this much slower than fp32: no bf16 pass is run at all
+WARMUP_LOSING = 3.0  # a first (warm-up) bf16 pass this much slower than fp32's first ends the probe
+LOSING = 1.5  # a timed bf16 pass this much slower than fp32's ends the probe
+PASS_SECONDS = 0.2  # the fp32 probe pass aimed for (fewer sequences than the batch on costly models)
+DECISION_SECONDS = 1.6  # model passes stop once this much time went into them
+ROUNDS = 3  # fp32 and bf16 passes alternated: a warm-up round, then the best of two
+
+
+def bf16_matmul_slowdown(n_embd: int, rows: int) -> float:
+    """bf16's seconds over fp32's for the model's MLP matmul, (rows x d)
+    @ (d x 4d) with a few rows, best of a few calls: tens of milliseconds at most, even
+    where bf16 is emulated in software (30x slower than fp32 on AVX2-only CPUs)."""
+    rows = int(max(16, min(rows, MATMUL_PROBE_FLOPS // (8 * n_embd * n_embd))))
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(rows, n_embd, generator=generator)
+    b = torch.randn(4 * n_embd, n_embd, generator=generator)
+    best = {}
+    for dtype, calls in ((torch.float32, 5), (torch.bfloat16, 3)):
+        x, w = a.to(dtype), b.to(dtype)
+        torch.nn.functional.linear(x, w)  # the first call initialises the kernels
+        times = []
+        while len(times) < calls and sum(times) < 0.1:
             started = time.perf_counter()
-            with plan.autocast():
-                _, loss = probe(x, y)
-            loss.backward()
-            probe.zero_grad(set_to_none=True)
-            if i:
-                best = min(best, time.perf_counter() - started)
-    return best
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - started)
+        best[dtype] = max(min(times), 1e-7)
+    return best[torch.bfloat16] / best[torch.float32]
 
 
-PROBE_FLOPS = 1.5e11  # training FLOPs per probe pass: about 1 s in fp32 on 2 cores of a current server
-
-
-def probe_batch_size(model: torch.nn.Module, batch_size: int, block_size: int) -> int:
-    """Sequences per probe pass: the real micro-batch, capped at PROBE_FLOPS."""
-    per_sequence = model.flops_per_token(block_size) * block_size
-    return max(1, min(batch_size, int(PROBE_FLOPS // per_sequence)))
+def probe_shape(model: torch.nn.Module, batch_size: int, block_size: int, seconds_per_flop: float) -> tuple[int, int]:
+    """(sequences, tokens each) of a probe pass: the real micro-batch (bf16's gain grows with
+    the rows a matmul sees, so fewer would understate it on small models), or fewer
+    sequences, and on the largest models shorter ones (not under 64 tokens), where an fp32
+    pass would take over PASS_SECONDS at `seconds_per_flop` (measured on one sequence)."""
+    affordable = PASS_SECONDS / seconds_per_flop
+    sequences = max(1, min(batch_size, int(affordable // (model.flops_per_token(block_size) * block_size))))
+    tokens = block_size
+    while sequences == 1 and tokens > 64 and model.flops_per_token(tokens) * tokens > affordable:
+        tokens = max(64, tokens // 2)
+    return sequences, tokens
 
 
 def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int,
                         cache_file: Optional[str] = None,
-                        measure: Callable[[torch.nn.Module, str, int, int], float] = step_seconds) -> str:
-    """fp32 or bf16, whichever trains this model faster on this CPU, by timing both.
+                        measure: Callable[[torch.nn.Module, str, int, int], float] = pass_seconds,
+                        matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown) -> str:
+    """fp32 or bf16, whichever trains this model faster on this CPU, decided in about two
+    seconds at most on any CPU, once per CPU, torch version, thread count and model shape.
 
     bf16 autocast is several times faster than fp32 with AMX, about 2x with AVX512-BF16 on
-    wide layers, and slower than fp32 on small ones or without bf16 instructions: no CPU flag
-    tells which, so time it. The probe runs the real micro-batch where a pass is cheap (bf16's
-    gain grows with the rows a matmul sees, so fewer sequences would understate it on small
-    models) and fewer sequences on models whose pass is costly (their matmuls are wide
-    anyway): at most PROBE_FLOPS per pass, a second or two of probing on any preset. The
-    answer is cached per CPU, torch version, thread count and model shape, so later runs
-    start at once. bf16 must be at least 5% faster to be chosen.
+    wide layers, slower than fp32 on small ones, and emulated in software, 30x slower per
+    matmul, on CPUs without bf16 instructions (AVX2 only: most AMD Zen 2/3 and laptops). No
+    flag tells which, so it is timed, in steps that each stop as soon as bf16 is clearly out:
+
+    1. The model's MLP matmul with a few rows in fp32 and bf16 (milliseconds): bf16
+       MATMUL_LOSING times slower means no bf16 instructions, and fp32 without a model pass.
+    2. Forward and backward passes of a copy of the model: one fp32 pass of one short
+       sequence to size the others, then fp32 and bf16 alternated (others' load on the
+       cores drifts over seconds): a warm-up round, then up to two timed ones.
+       bf16 is dropped at its first pass LOSING (warm-up: WARMUP_LOSING) times slower than
+       fp32's in the same round, and no pass starts that would run past DECISION_SECONDS
+       (cut short before a timed round, the matmuls decide and nothing is cached).
+       The passes use the real micro-batch, or less where an fp32 pass would take over
+       PASS_SECONDS (probe_shape). bf16 must be at least 5% faster to be chosen.
+
+    `measure` (one pass's seconds) and `matmul_probe` are the timers, replaceable in tests.
+    The answer is cached under everything that decides it (cpu_facts, the model's shape).
     """
-    cfg = model.cfg
-    key = "|".join(map(str, (cpu_name(), torch.__version__, torch.get_num_threads(), cfg.n_layer, cfg.n_head,
-                             cfg.n_embd, cfg.vocab_size, block_size, batch_size)))
-    key = hashlib.sha256(key.encode()).hexdigest()[:16]
+    facts = cpu_facts()
+    key = decision_key(facts, model.cfg, batch_size, block_size)
     path = cache_file or precision_cache_file()
     cache = _read_json(path)
     if isinstance(cache.get(key), dict) and cache[key].get("choice") in ("fp32", "bf16"):
         entry = cache[key]
-        log.info("precision auto: %s (cached measurement for this CPU and model: fp32 %.1f ms, bf16 %.1f ms per "
-                 "pass; %s)", entry["choice"], entry["fp32_ms"], entry["bf16_ms"], path)
+        log.info("precision auto: %s (cached for this CPU, torch, thread count and model: %s; %s)",
+                 entry["choice"], entry.get("why", ""), path)
         return entry["choice"]
-    probe_batch = probe_batch_size(model, batch_size, block_size)
-    seconds = {"fp32": float("inf"), "bf16": float("inf")}
-    for _ in range(2):  # alternated, best of each: other load on the cores drifts over seconds
-        for name in seconds:
-            seconds[name] = min(seconds[name], measure(model, name, probe_batch, block_size))
-    choice = "bf16" if seconds["bf16"] < 0.95 * seconds["fp32"] else "fp32"
-    cache[key] = {"choice": choice, "fp32_ms": 1000 * seconds["fp32"], "bf16_ms": 1000 * seconds["bf16"],
-                  "cpu": cpu_name(), "threads": torch.get_num_threads()}
-    _write_json(path, cache)
-    log.info("precision auto: %s (measured on this CPU, %d sequences of %d tokens: fp32 %.1f ms, bf16 %.1f ms per "
-             "forward+backward; cached in %s)", choice, probe_batch, block_size, 1000 * seconds["fp32"],
-             1000 * seconds["bf16"], path)
+    started = time.perf_counter()
+    slowdown = matmul_probe(model.cfg.n_embd, batch_size * block_size)
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    complete, sequences, tokens = True, 0, 0
+    if slowdown >= MATMUL_LOSING:
+        choice = "fp32"
+        why = f"bf16 matmuls {slowdown:.0f}x slower than fp32 at this width (no fast bf16 instructions); no pass run"
+    else:
+        probe = probe_copy(model)
+        tokens = min(block_size, 64)  # one short sequence: how fast fp32 passes go, to size the others
+        calibration = measure(probe, "fp32", 1, tokens)
+        sequences, tokens = probe_shape(model, batch_size, block_size,
+                                        calibration / (model.flops_per_token(tokens) * tokens))
+        choice, why, complete = _timed_passes(probe, sequences, tokens, slowdown, measure, times,
+                                              DECISION_SECONDS - calibration)
+    entry = {"choice": choice, "why": why, "fp32_ms": [round(1e3 * t, 1) for t in times["fp32"]],
+             "bf16_ms": [round(1e3 * t, 1) for t in times["bf16"]], "bf16_matmul_slowdown": round(slowdown, 2),
+             "probe": [sequences, tokens], "decided_in_s": round(time.perf_counter() - started, 2), **facts}
+    if complete:
+        cache[key] = entry
+        _write_json(path, cache)
+    log.info("precision auto: %s (measured on this CPU in %.1f s: %s; %s %s)", choice, entry["decided_in_s"], why,
+             "cached in" if complete else "not cached, measured again next time:", path)
     return choice
+
+
+def _timed_passes(probe: torch.nn.Module, batch: int, block: int, slowdown: float,
+                  measure: Callable[[torch.nn.Module, str, int, int], float],
+                  times: dict[str, list[float]], budget: float) -> tuple[str, str, bool]:
+    """Step 2 of measured_cpu_choice: (choice, why, complete), the passes' seconds added to
+    `times`. Not complete: stopped by the time limit (`budget` s) before a timed round of both."""
+    spent = 0.0
+    for round_ in range(ROUNDS):
+        for name in ("fp32", "bf16"):
+            expected = times[name][-1] if times[name] else times["fp32"][-1] * slowdown if times["fp32"] else 0.0
+            if spent + expected > budget:
+                if not times["bf16"]:  # the machine is slow or busy: the matmul probe decides
+                    choice = "bf16" if slowdown < 0.75 else "fp32"
+                    return choice, (f"fp32 passes too slow for a {budget:.1f} s probe (a busy or slow machine): by "
+                                    f"the matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed"), False
+                return (*_faster(times, f"stopped at the {DECISION_SECONDS:g} s limit"), round_ > 1)
+            seconds = measure(probe, name, batch, block)
+            times[name].append(seconds)
+            spent += seconds
+            limit = WARMUP_LOSING if round_ == 0 else LOSING
+            if name == "bf16" and seconds > limit * times["fp32"][-1]:
+                return "fp32", (f"a bf16 pass took {seconds / times['fp32'][-1]:.1f}x fp32's "
+                                f"({1e3 * seconds:.0f} ms against {1e3 * times['fp32'][-1]:.0f} ms); probe stopped"), True
+    return (*_faster(times, f"{batch} sequences of {block} tokens"), True)
+
+
+def _faster(times: dict[str, list[float]], note: str) -> tuple[str, str]:
+    """bf16 if its best timed pass (warm-ups only where nothing else ran) is 5% faster."""
+    best = {name: min(t[1:] or t) for name, t in times.items()}
+    choice = "bf16" if best["bf16"] < 0.95 * best["fp32"] else "fp32"
+    return choice, f"fp32 {1e3 * best['fp32']:.1f} ms, bf16 {1e3 * best['bf16']:.1f} ms per forward+backward, {note}"
 
 
 def _read_json(path: str) -> dict:

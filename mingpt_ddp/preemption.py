@@ -8,6 +8,12 @@ reaches ranks at different moments), and saves a snapshot. A second Ctrl-C abort
 so does a second stop signal of any kind while the last snapshot is still being saved (a
 failing store is retried for trainer.save_retry_minutes, longer than a scheduler's grace
 period), naming the newest snapshot that was saved.
+
+Outside training (start-up, the end of a run, between the points of a sweep) SIGUSR1, the
+scheduler's warning with time to spare, is recorded too (`record_stop_signals`): one that
+arrives before training is acted on at the first agreement, one after it ends a sweep
+before its next point. SIGTERM and Ctrl-C there end the process at once: there is nothing
+new to save (a SIGTERM that arrives after training's last agreement ends a sweep likewise).
 """
 from __future__ import annotations
 
@@ -25,6 +31,26 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 # leave workers in the terminal's process group forward a SIGINT they already got), not a
 # person pressing it again.
 SAME_CTRL_C_SECONDS = 1.0
+
+
+_received = 0  # a stop signal not acted on yet: received outside training, or after its last agreement
+
+
+def _record(signum: int, frame: Optional[FrameType]) -> None:
+    global _received
+    _received = _received or signum
+
+
+def record_stop_signals() -> None:
+    """From now on SIGUSR1 is recorded (see `received`) instead of ending the process, or
+    of being ignored as launch/multinode.sh leaves it for its torchrun agent."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, _record)
+
+
+def received() -> int:
+    """The stop signal this process received and has not acted on (0: none)."""
+    return _received
 
 
 def _abort_now() -> None:
@@ -124,13 +150,19 @@ class StopRequest:
             self.signum = signum
 
     def __enter__(self) -> "StopRequest":
+        global _received
+        self.signum, _received = self.signum or _received, 0  # one received before training: stop at once
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        """A request stays `received` (one that came after the last agreement, or ended the
+        training): a sweep then ends instead of starting its next point."""
+        global _received
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        _received = _received or self.signum
 

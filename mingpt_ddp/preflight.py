@@ -14,8 +14,9 @@ the node and what is wrong:
 
 - a node has fewer GPUs than workers (or none while the others have some);
 - torch, CUDA, NCCL or Python versions differ between nodes;
-- the all_reduce gave wrong sums, or its busbw at the largest size is below
-  PREFLIGHT_MIN_BUSBW (GB/s; unset: not checked).
+- the all_reduce gave wrong sums or non-finite values on any rank (the first such rank and
+  its node are named), or its busbw at the largest size is below PREFLIGHT_MIN_BUSBW
+  (GB/s; unset: not checked).
 
 PREFLIGHT_MAX_BYTES sets the largest all_reduce [256MB with GPUs, 4MB on CPUs].
 """
@@ -111,14 +112,32 @@ def check_nodes(nodes: list[dict[str, Any]]) -> Optional[str]:
     return None
 
 
-def check_comm(result: dict[str, Any], nodes: list[dict[str, Any]], min_busbw: Optional[float]) -> Optional[str]:
-    """A wrong sum, or busbw at the largest size below `min_busbw` GB/s."""
-    hosts = ", ".join(n["host"] for n in nodes)
-    wrong = [r for r in result["rows"] if r["wrong"]]
-    if wrong:
-        return (f"all_reduce over {result['ranks']} ranks on {hosts} gave {wrong[0]['wrong']} wrong value(s) at "
-                f"{wrong[0]['size']} bytes: a faulty GPU or link; rerun with NCCL_DEBUG=INFO, check `nvidia-smi -q` "
-                "for ECC errors and replace the node")
+def own_failure(result: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """This rank's first all_reduce size whose check sum came out wrong, else the first whose
+    timed data was no longer finite; None when all held. Each rank sees only its own copy
+    of the result: a faulty GPU or link shows in its rank's sums alone (while non-finite
+    values spread to every rank through the sums that follow)."""
+    rows = [r for r in result["rows"] if r["wrong"]] or [r for r in result["rows"]
+                                                        if not r.get("timed_data_finite", True)]
+    return {"size": rows[0]["size"], "wrong": rows[0]["wrong"]} if rows else None
+
+
+def check_comm(result: dict[str, Any], facts: list[dict[str, Any]], min_busbw: Optional[float],
+               failures: list[Optional[dict[str, Any]]]) -> Optional[str]:
+    """A wrong or non-finite result on any rank (`failures`: own_failure of every rank, in
+    rank order; the first rank with a wrong sum is named, else the first with non-finite
+    values), or busbw at the largest size below `min_busbw` GB/s. `facts`: node_facts of
+    every rank, in rank order."""
+    hosts = ", ".join(n["host"] for n in per_node(facts))
+    failed = [(rank, f) for rank, f in enumerate(failures) if f is not None and f["wrong"]]
+    failed = failed or [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    if failed:
+        rank, f = failed[0]
+        what = f"{f['wrong']} wrong value(s)" if f["wrong"] else "non-finite values (inf/NaN)"
+        others = f" (and on {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
+        return (f"all_reduce over {result['ranks']} ranks on {hosts} gave {what} at {f['size']} bytes on rank {rank} "
+                f"(node {facts[rank]['host']}){others}: a faulty GPU or link; rerun with NCCL_DEBUG=INFO, check "
+                f"`nvidia-smi -q` on {facts[rank]['host']} for ECC errors and replace the node")
     last = result["rows"][-1]
     if min_busbw is not None and result["ranks"] > 1 and last["busbw_GBps"] < min_busbw:
         return (f"all_reduce busbw {last['busbw_GBps']:.3f} GB/s at {last['size']:,} bytes over {result['ranks']} "
@@ -181,7 +200,8 @@ def run() -> Optional[str]:
         result = bench.run_comm(dist, options, [])
         if dist.is_main:
             bench.report("comm", {**result, "env": bench.environment(dist)})
-        problem = check_comm(result, nodes, min_busbw)
+        failures = distributed.all_gather_object(own_failure(result))  # every rank's own check, not rank 0's
+        problem = check_comm(result, facts, min_busbw, failures)
         if problem is None and dist.is_main:
             last = result["rows"][-1]
             print(f"preflight: passed: {len(nodes)} node(s), {dist.world_size} rank(s), busbw "

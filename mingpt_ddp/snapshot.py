@@ -393,11 +393,17 @@ class BackgroundSaver:
     one waiting to be retried. Once saving has failed for `retry_minutes` with no success
     in between, `failed` turns true and `error` says why: the trainer then stops every
     rank rather than train on with nothing saved.
+
+    `run_lock` (the RunLock rank 0 holds): once it is lost, no write starts (each attempt
+    checks), so the run that lost its lock never writes beside the new holder, even
+    before the next stop agreement acts on the loss; `error` then says why.
     """
 
     def __init__(self, store: SnapshotStore, retry_minutes: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, run_lock: Any = None):
         self.store = store
+        self.run_lock = run_lock
+        self._refused: Optional[str] = None  # the lost lock's message, once a write was refused
         self.retry_minutes = retry_minutes
         self._clock = clock
         self._thread: Optional[threading.Thread] = None
@@ -428,6 +434,8 @@ class BackgroundSaver:
 
     @property
     def error(self) -> Optional[str]:
+        if self._refused:
+            return self._refused
         if not self.failed:
             return None
         minutes = (self._clock() - self._failing_since) / 60
@@ -449,6 +457,11 @@ class BackgroundSaver:
         del state
         where = self.store.display(self.store.step_path(step))
         for delay in storage.backoff_delays(first=1.0, cap=60.0):
+            lost = self.run_lock.lost if self.run_lock is not None else None
+            if lost:
+                log.error("snapshot %s not saved: %s", where, lost)
+                self._refused = lost
+                return
             started = self._clock()
             try:
                 self.last_saved = self.store.save(snapshot, step)

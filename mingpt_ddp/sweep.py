@@ -21,6 +21,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from mingpt_ddp import storage
 from mingpt_ddp.plot import plot_runs
 from mingpt_ddp.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
 
@@ -33,7 +34,9 @@ COLUMNS = ["point", "overrides", "status", "final_train_loss", "final_val_loss",
 
 
 def write_result(run_dir: str, record: dict[str, Any]) -> None:
-    """Atomically record how a point ended (rank 0 only)."""
+    """Atomically record how a point ended (rank 0 only), through the one secrets boundary: a
+    snapshot URL or error may carry a presigned query or a user:password."""
+    record = {k: storage.redact(v) if isinstance(v, str) else v for k, v in record.items()}
     path = Path(run_dir) / RESULT_FILE
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

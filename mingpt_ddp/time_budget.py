@@ -8,23 +8,53 @@ budget, less a reserve for the evaluations still to come (their forward passes a
 measured pace, with a 50% margin) and 2% for the last snapshot, and broadcasts it. The
 plan is kept in TrainState, so it is in every later snapshot: a resume continues the same
 schedule (the cosine horizon is the plan) instead of planning again on another machine.
+A plan belongs to the budget it was made for: resumed with another trainer.time_budget_minutes
+(null: max_epochs/max_steps decide) the plan is lifted, which is how a finished budgeted run
+is trained further.
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mingpt_ddp import distributed
 
 if TYPE_CHECKING:
-    from mingpt_ddp.trainer import Trainer
+    from mingpt_ddp.trainer import Trainer, TrainState
 
 RESERVE = 0.02  # of the budget, for the final snapshot and the end of the run
 FORWARD_SHARE = 1 / 3  # a forward pass costs about a third of a training step per window
 EVALUATION_MARGIN = 1.5  # evaluations reserved for, over their estimate
 CALIBRATION_SHARE = 0.05  # of the budget spent measuring the pace, at most
 CALIBRATION_STEPS = 50  # ... or this many steps, whichever comes first
+
+
+def _budget(minutes: Optional[float]) -> str:
+    return "none" if minutes is None else f"{minutes:g} min"
+
+
+def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float]) -> Optional[str]:
+    """Drop the snapshot's plan (its train state's planned_steps) when
+    trainer.time_budget_minutes is not the budget it was planned for: with none,
+    max_epochs/max_steps decide; with another, that many minutes are planned afresh from
+    this launch's pace. Returns a note saying so, or None when the plan stands."""
+    state, saved = snapshot["train_state"], snapshot.get("config", {}).get("trainer", {})
+    plan = state.get("planned_steps")
+    if plan is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+        return None
+    state["planned_steps"] = None
+    then = ("trainer.max_epochs/max_steps decide how far it trains" if minutes is None
+            else f"{minutes:g} more minutes are planned from the pace of this launch")
+    return (f"time budget changed from {_budget(saved['time_budget_minutes'])} to {_budget(minutes)}: its plan of {plan} "
+            f"steps is lifted and {then} (the LR schedule follows the new length)")
+
+
+def how_to_extend(state: "TrainState", minutes: Optional[float]) -> str:
+    """For a run its plan has finished: how to train it further."""
+    return (f"its time budget's plan of {state.planned_steps} steps is done: to train further, give another budget "
+            f"(trainer.time_budget_minutes=M plans about M more minutes; it was {_budget(minutes)}) or none "
+            "(trainer.time_budget_minutes=null with a higher trainer.max_steps or max_epochs)")
 
 
 class TimeBudget:

@@ -21,7 +21,7 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak_flops, mfu,
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest, shield_compile_workers
@@ -90,18 +90,19 @@ class Trainer:
         snapshot_metadata: dict[str, Any],
         run_lock: Any = None,
         token_bytes: Optional[torch.Tensor] = None,
+        resumed_precision: Optional[str] = None,
     ):
         """`token_bytes`: UTF-8 bytes per token id, for val_bpb (tokenizer.byte_lengths();
-        default: a character corpus's, from its vocabulary)."""
+        default: a character corpus's, from its vocabulary). `resumed_precision`: the
+        precision of the snapshot this run resumes from, which trainer.precision=auto keeps
+        (see _resolve_precision)."""
         self.cfg, self.optim_cfg, self.dist = cfg, optim_cfg, dist
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
         self.run_lock = run_lock  # rank 0's RunLock: its `lost` stops every rank at the next agreement
         self.device = dist.device
-        self.model = model.to(self.device)
+        self.model = model  # placed (or, built on the meta device, filled in) by the strategy
         self.block_size = model.cfg.block_size
-        # Measured by rank 0 alone (seconds on a busy CPU): the others wait in the store, not in a collective.
-        self.precision = precision.resolve(cfg.precision, self.device, measure_cpu=lambda: distributed.wait_for_main(
-            lambda: precision.measured_cpu_choice(model, cfg.batch_size, self.block_size), "timing fp32 against bf16"))
+        self.precision = self._resolve_precision(resumed_precision)
         if self.device.type == "cuda":
             # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
@@ -109,7 +110,6 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
         determinism.apply(cfg.deterministic, self.strategy.compiled)  # before the first GPU matmul
-        self.forward_model = self.strategy.forward_model
         self.optimizer = self.strategy.make_optimizer(optim_cfg)
         self.scaler = self.strategy.grad_scaler()
         self.corpus = corpus
@@ -128,8 +128,15 @@ class Trainer:
         self.state = TrainState()
         self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
-        self.peak_flops = distributed.wait_for_main(lambda: measured_peak_flops(self.device, self.precision.dtype),
-                                                    "measuring the matmul peak")
+        peak = distributed.wait_for_main(lambda: measured_peak(
+            self.device, self.precision.dtype, model.matmul_shapes(cfg.batch_size * self.block_size)
+        ), "measuring the matmul peak")
+        self.peak_flops = peak.flops
+        if peak.emulated and dist.is_main:
+            log.warning("trainer.precision=%s: this CPU runs %s matmuls %.0fx slower than fp32 at this model's sizes "
+                        "(no %s instructions: emulated); MFU is quoted against the fp32 peak. trainer.precision=auto "
+                        "or fp32 trains faster here", self.precision.name, self.precision.name, peak.slowdown,
+                        self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
         self._last_save_step: Optional[int] = None
@@ -138,9 +145,31 @@ class Trainer:
         self._evaluated_windows = 0
         self._evaluated_bytes = 0
         self.last_val_bpb: Optional[float] = None
+        self._last_agreement = (0, time.monotonic())  # (step, time) of the last stop agreement
+        self._next_agreement = 1  # the step of the next one (the loop's measurements set it)
+        self.grad_norm: Optional[torch.Tensor] = None  # the last step's, before clipping (when clipping)
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
+
+    def _resolve_precision(self, resumed: Optional[str]) -> precision.PrecisionPlan:
+        """trainer.precision, with `auto` decided once per run: a resume keeps the snapshot's
+        choice (another CPU, or a lost cache of measurements, could decide differently and
+        switch fp32 and bf16 in the middle of a run); an explicit precision replaces it."""
+        requested = getattr(self.cfg.precision, "value", self.cfg.precision)
+        if requested == "auto" and resumed:
+            try:
+                plan = precision.resolve(resumed, self.device)
+                self.metrics.note(f"precision {resumed}: the run's choice (trainer.precision=auto keeps what the "
+                                  "snapshot was trained with; set trainer.precision=fp32/bf16/fp16 to change it)")
+                return plan
+            except ConfigError as exc:  # e.g. bf16 from an Ampere GPU, resumed on a V100
+                self.metrics.note(f"precision {resumed} of the snapshot cannot run here ({exc}); "
+                                  "trainer.precision=auto decides again")
+        # Measured by rank 0 alone (seconds on a busy CPU): the others wait in the store, not in a collective.
+        model = self.model
+        return precision.resolve(requested, self.device, measure_cpu=lambda: distributed.wait_for_main(
+            lambda: precision.measured_cpu_choice(model, self.cfg.batch_size, self.block_size), "timing fp32 against bf16"))
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -180,6 +209,7 @@ class Trainer:
             "rng": distributed.all_gather_object(rng_state()),
             "world_size": self.dist.world_size,
             "global_batch": self.global_batch,
+            "precision": self.precision.name,  # what trainer.precision=auto chose: a resume keeps it
             **self.snapshot_metadata,
         }
 
@@ -291,7 +321,7 @@ class Trainer:
             total_loss += loss.detach()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            self.strategy.clip_grad_norm_(self.cfg.grad_clip)
+            self.grad_norm = self.strategy.clip_grad_norm_(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -300,10 +330,12 @@ class Trainer:
     def eval_windows(self, final: bool = False) -> int:
         """Validation windows one evaluation reads (over all ranks): the first
         eval_batches x batch_size x world size of the split (final_eval_batches at the end;
-        null: the whole split)."""
+        null: the whole split), counted with the world size the run's global batch was set
+        for: a resume on another number of processes evaluates the same windows, so its
+        val_loss compares with the earlier ones."""
         limit = self.cfg.final_eval_batches if final else self.cfg.eval_batches
         n = len(self.val_windows)
-        return n if limit is None else min(n, limit * self.micro_batch * self.dist.world_size)
+        return n if limit is None else min(n, limit * self.global_batch // self.cfg.grad_accum_steps)
 
     @torch.no_grad()
     def evaluate(self, final: bool = False) -> float:
@@ -314,18 +346,18 @@ class Trainer:
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
         totals = torch.zeros(5, device=self.device, dtype=torch.float64)
-        # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
-        # a rank with fewer windows runs its last pass on a window it does not count.
+        # Every rank runs the same number of forward passes (FSDP gathers parameters in each),
+        # each on a full micro-batch, so the compiled eval graph never sees another shape: a
+        # short batch is filled up with windows that are not counted.
         for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
             chunk = mine[start:start + self.micro_batch]
             counted = len(chunk)
-            x, y = to_device(self.val_windows.gather(chunk if counted else torch.zeros(1, dtype=torch.long)), self.device)
+            filler = torch.zeros(self.micro_batch - counted, dtype=torch.long)
+            x, y = to_device(self.val_windows.gather(torch.cat([chunk, filler])), self.device)
             with self.precision.autocast():
-                # Not the compiled model, which eval mode, no_grad and a short last batch would
-                # each make recompile (tens of seconds on a large model, every evaluation).
-                logits, _ = self.model(x)
+                logits, _ = self.strategy.eval_model(x)
             if counted:
-                totals[:4] += window_loss_sums(logits, y, self.token_bytes)
+                totals[:4] += window_loss_sums(logits[:counted], y[:counted], self.token_bytes)
                 totals[4] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
@@ -393,9 +425,13 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps = 0
         # The first window after start includes compiling the model (when compiled).
-        includes_compile = self.forward_model is not self.model
+        includes_compile = self.strategy.compiled
         timer = StepTimer(self.device)  # training steps only: evaluations and saves are paused out
         timer.resume()
+        # The first agreement follows this process's first step: it measures the pace that
+        # spaces the later ones (a stop signal received during start-up is acted on there).
+        self._last_agreement = (self.state.step, time.monotonic())
+        self._next_agreement = self.state.step + 1
         while not self.finished:
             for micro_batches in self.step_batches():
                 window_loss += self._optimizer_step(micro_batches)
@@ -406,10 +442,12 @@ class Trainer:
                 for callback in self.step_callbacks:
                     callback(self)
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
-                if self.state.step % self.cfg.log_every == 0:
+                log_step = self.state.step % self.cfg.log_every == 0
+                if log_step:
                     self._log_train(window_loss, window_steps, *timer.take_window(), includes_compile)
                     window_loss.zero_()
                     window_steps, includes_compile = 0, False
+                if log_step or self.state.step >= self._next_agreement:
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
                     if stop_signal:
                         return signal.Signals(stop_signal).name
@@ -434,19 +472,27 @@ class Trainer:
         return None
 
     def _agree_on_stop_and_time_save(self, stop_request: StopRequest) -> tuple[int, bool]:
-        """One tiny all_reduce every `log_every` steps: did any rank get a stop signal (its
-        number, 0 if none), is a time-based snapshot due by rank 0's clock, has rank 0's
-        saving failed for longer than trainer.save_retry_minutes, has rank 0 lost the run
-        lock (then nothing more is saved)? Every rank acts on the same answer, so all stop
-        after the same step."""
+        """One tiny all_reduce every `log_every` steps, and at least every
+        trainer.stop_check_seconds of wall time: did any rank get a stop signal (its number, 0
+        if none), is a time-based snapshot due by rank 0's clock, has rank 0's saving failed
+        for longer than trainer.save_retry_minutes, has rank 0 lost the run lock (then nothing
+        more is saved)? Every rank acts on the same answer, so all stop after the same step.
+        The slowest rank's seconds per step since the last agreement come back the same on
+        every rank, and set the step of the next one."""
+        now = time.monotonic()
         minutes = self.snapshot_every_minutes
-        save_due = bool(minutes) and self.dist.is_main and time.monotonic() - self._last_save_time >= 60 * minutes
+        save_due = bool(minutes) and self.dist.is_main and now - self._last_save_time >= 60 * minutes
         save_failed = self.saver is not None and self.saver.failed
         lock_lost = self.run_lock is not None and self.run_lock.lost is not None
-        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed), float(lock_lost)],
-                             device=self.device)
+        since_step, since = self._last_agreement
+        step_seconds = (now - since) / max(1, self.state.step - since_step)
+        flags = torch.tensor([float(stop_request.signum), float(save_due), float(save_failed), float(lock_lost),
+                              step_seconds], device=self.device)
         distributed.all_reduce_max(flags)
-        stop_signal, save_due, save_failed, lock_lost = flags.tolist()
+        stop_signal, save_due, save_failed, lock_lost, step_seconds = flags.tolist()
+        self._last_agreement = (self.state.step, now)
+        self._next_agreement = self.state.step + max(1, min(self.cfg.log_every,
+                                                            int(self.cfg.stop_check_seconds / max(step_seconds, 1e-9))))
         if lock_lost:
             lost = self.run_lock.lost if self.run_lock is not None else None
             raise ConfigError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
@@ -477,6 +523,13 @@ class Trainer:
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
         tokens = steps * self.global_batch * self.block_size
         tokens_per_s = tokens / max(seconds, 1e-9)
+        reached = self.flops_per_token * tokens_per_s / self.dist.world_size
+        if self.peak_flops is not None and reached > self.peak_flops and not includes_compile:
+            # The peak measured at start was held down (other processes on the cores): the
+            # hardware has just shown more, so MFU is quoted against that and stays <= 100%.
+            self.metrics.note(f"{reached / 1e12:.3g} TFLOP/s per process reached, above the {self.peak_flops / 1e12:.3g} "
+                              "measured at start (other load on the cores then?): MFU is quoted against it from now on")
+            self.peak_flops = reached
         record = {
             "step": self.state.step,
             "epoch": self.state.epoch,
@@ -489,6 +542,8 @@ class Trainer:
         if self.datasheet_peak_flops is not None:
             record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
                                           self.dist.world_size)
+        if self.grad_norm is not None:  # computed for clipping anyway; the same on every rank
+            record["grad_norm"] = self.grad_norm.item()
         if includes_compile:
             record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
         self.metrics.write(record)

@@ -15,6 +15,7 @@ import pytest
 from conftest import MAIN, PYTHON, REPO, TINY
 from mingpt_ddp.metrics import MetricsLog, format_duration
 from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, SAME_CTRL_C_SECONDS, StopRequest
+from test_fault_tolerance import children
 
 LONG_RUN = [*TINY, "trainer.max_epochs=1000"]
 
@@ -51,6 +52,7 @@ def snapshot_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split(".step")[1][:9]) for p in run_dir.glob("snapshot.step*.pt"))
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
 def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path, small_corpus, torchrun):
@@ -68,15 +70,18 @@ def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path
     assert "run the same command" in text
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
 def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path, small_corpus, torchrun):
-    # Stop requests are agreed at log steps; with none due, only a second Ctrl-C ends the run.
+    # Stop requests are agreed after the first step (its snapshot, due by the clock, shows it
+    # happened), then at log steps and every stop_check_seconds; with none due, only a second
+    # Ctrl-C ends the run.
     run_dir = tmp_path / "run"
-    args = [*LONG_RUN, "trainer.log_every=1000000", "trainer.save_every=1000", f"data.path={small_corpus}",
-            f"hydra.run.dir={run_dir}"]
+    args = [*LONG_RUN, "trainer.log_every=1000000", "trainer.stop_check_seconds=1000000", "trainer.save_every=1000",
+            "trainer.snapshot_every_minutes=1e-6", f"data.path={small_corpus}", f"hydra.run.dir={run_dir}"]
     proc, log = start(args, torchrun, tmp_path)
-    wait_for_text(log, "steps planned", proc)
+    wait_for_text(log, "(step 1)", proc)
     time.sleep(1.0)
     ctrl_c(proc)
     time.sleep(SAME_CTRL_C_SECONDS + 0.5)
@@ -88,9 +93,39 @@ def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path, small_corpus
     text = log.read_text()
     assert "interrupted again: stopping now" in text, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
-    assert snapshot_steps(run_dir) == []
+    assert snapshot_steps(run_dir) == [1]  # none for the interrupted stop
 
 
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_stop_is_agreed_within_seconds_between_log_steps(tmp_path, small_corpus):
+    """No log step for a long while (slow steps, a large log_every): the ranks still agree on
+    stops every few seconds (trainer.stop_check_seconds, 5 by default), at steps they derive from an agreed
+    measurement of the step time, so a SIGUSR1 to one worker stops both after the same step,
+    with a snapshot, well within Slurm's 30 s grace period."""
+    run_dir = tmp_path / "run"
+    args = [*LONG_RUN, "trainer.log_every=1000000", f"data.path={small_corpus}", f"hydra.run.dir={run_dir}"]
+    proc, log = start(args, True, tmp_path)
+    try:
+        wait_for_text(log, "steps planned", proc)
+        time.sleep(3.0)
+        os.kill(children(proc.pid)[-1], signal.SIGUSR1)  # one worker: the other learns of it from the agreement
+        signalled = time.monotonic()
+        wait_for_text(log, "stopped by SIGUSR1 at step", proc, timeout=60)
+        assert time.monotonic() - signalled < 15, log.read_text()  # the next agreement, a step and a save
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:  # torchrun's workers run in sessions of their own
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert text.count("stopped by SIGUSR1 at step") == 1, text
+    stopped_at = int(text.split("stopped by SIGUSR1 at step ")[1].split()[0])
+    assert snapshot_steps(run_dir) == [stopped_at], text
+
+
+@pytest.mark.dist
 def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
     now = [100.0]
     aborted = []
@@ -105,6 +140,7 @@ def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
     assert aborted == [now[0]]
 
 
+@pytest.mark.dist
 def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     aborted = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -115,6 +151,7 @@ def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     assert not aborted
 
 
+@pytest.mark.unit
 def test_progress_lines_show_elapsed_time_and_eta(caplog):
     now = [0.0]
     log = MetricsLog(None, enabled=True, total_steps=100)
@@ -131,10 +168,12 @@ def test_progress_lines_show_elapsed_time_and_eta(caplog):
     assert lines[1].endswith("elapsed 25s eta 1m10s"), lines
 
 
+@pytest.mark.unit
 def test_durations_read_like_a_clock():
     assert [format_duration(s) for s in (4, 125, 3720)] == ["4s", "2m05s", "1h02m"]
 
 
+@pytest.mark.cli
 def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     proc = subprocess.run([PYTHON, MAIN, *TINY, f"data.path={small_corpus}", "trainer.max_steps=5",

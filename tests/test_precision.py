@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from mingpt_ddp import precision
 from mingpt_ddp.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.unit
 
 
 def tiny_model(n_embd: int = 32) -> GPT:
@@ -15,53 +18,120 @@ def tiny_model(n_embd: int = 32) -> GPT:
 
 
 def fake_measure(times: dict[str, float], calls: list):
+    """One pass's seconds by precision; the calibration pass (one sequence) is not recorded."""
     def measure(model, name, batch, block):
-        calls.append((name, batch, block))
-        return times[name]
+        if batch > 1:
+            calls.append((name, batch, block))
+        return times[name] * (batch if batch > 1 else 1e-3)
     return measure
+
+
+def no_matmul_slowdown(n_embd, rows):
+    return 1.0
+
+
+def choose(model, batch, block, cache, times, calls, slowdown=1.0):
+    return precision.measured_cpu_choice(model, batch, block, str(cache), fake_measure(times, calls),
+                                         lambda n_embd, rows: slowdown)
 
 
 def test_auto_picks_the_faster_precision_and_keeps_fp32_on_a_near_tie(tmp_path):
     model, calls = tiny_model(), []
-    faster_bf16 = fake_measure({"fp32": 1.0, "bf16": 0.5}, calls)
-    assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "a.json"), faster_bf16) == "bf16"
-    assert calls == [("fp32", 32, 16), ("bf16", 32, 16)] * 2  # alternated, at the real micro-batch
-    near_tie = fake_measure({"fp32": 1.0, "bf16": 0.97}, [])
-    assert precision.measured_cpu_choice(model, 32, 16, str(tmp_path / "b.json"), near_tie) == "fp32"
-    slower_bf16 = fake_measure({"fp32": 1.0, "bf16": 1.6}, [])
-    assert precision.measured_cpu_choice(model, 4, 16, str(tmp_path / "c.json"), slower_bf16) == "fp32"
+    assert choose(model, 32, 16, tmp_path / "a.json", {"fp32": 1e-3, "bf16": 5e-4}, calls) == "bf16"
+    assert calls == [("fp32", 32, 16), ("bf16", 32, 16)] * 3  # warm-up, then two timed rounds, alternated
+    assert choose(model, 32, 16, tmp_path / "b.json", {"fp32": 1e-3, "bf16": 9.7e-4}, []) == "fp32"
+
+
+def test_a_losing_bf16_pass_ends_the_probe_at_once(tmp_path):
+    """The decision's time bound: bf16 out at its first pass slower than 1.5x fp32's."""
+    calls = []
+    assert choose(tiny_model(), 32, 16, tmp_path / "a.json", {"fp32": 1e-3, "bf16": 1.6e-3}, calls) == "fp32"
+    assert calls == [("fp32", 32, 16), ("bf16", 32, 16), ("fp32", 32, 16), ("bf16", 32, 16)]  # no second round
+    calls.clear()  # far slower already when warming up (emulated bf16 the matmul probe missed): one pass each
+    assert choose(tiny_model(), 32, 16, tmp_path / "b.json", {"fp32": 1e-3, "bf16": 3.1e-3}, calls) == "fp32"
+    assert calls == [("fp32", 32, 16), ("bf16", 32, 16)]
+
+
+def test_bf16_matmuls_several_times_slower_mean_no_bf16_pass_at_all(tmp_path):
+    calls = []
+    assert choose(tiny_model(), 32, 16, tmp_path / "a.json", {"fp32": 1e-3, "bf16": 5e-4}, calls, 30.0) == "fp32"
+    assert calls == []
+    entry = next(iter(json.loads((tmp_path / "a.json").read_text()).values()))
+    assert entry["choice"] == "fp32" and "no fast bf16 instructions" in entry["why"]
+
+
+def test_no_pass_starts_that_would_run_past_the_time_limit(tmp_path):
+    """Passes of 0.6 s (fp32) and 0.5 s (bf16): after the warm-up round a third pass would
+    pass the 1.6 s limit, so the warm-ups decide, and an answer that short is not cached."""
+    calls, cache = [], tmp_path / "a.json"
+    assert choose(tiny_model(), 32, 16, cache, {"fp32": 0.6 / 32, "bf16": 0.5 / 32}, calls) == "bf16"
+    assert calls == [("fp32", 32, 16), ("bf16", 32, 16)]
+    assert 0.6 + 0.5 <= precision.DECISION_SECONDS < 0.6 + 0.5 + 0.6
+    assert not cache.exists()
 
 
 def test_the_probe_runs_the_real_batch_unless_a_pass_would_be_costly():
-    small = tiny_model()
-    assert precision.probe_batch_size(small, 32, 16) == 32
+    """The calibration pass (one sequence) gives seconds per FLOP: PASS_SECONDS of fp32 at most."""
     wide = GPT(GPTConfig(vocab_size=65, block_size=128, n_layer=4, n_head=8, n_embd=512))
-    sequences = precision.probe_batch_size(wide, 32, 128)
-    assert 1 < sequences < 32
-    assert wide.flops_per_token(128) * 128 * sequences <= precision.PROBE_FLOPS
-    assert wide.flops_per_token(128) * 128 * (sequences + 1) > precision.PROBE_FLOPS
-    assert precision.probe_batch_size(wide, 32, 128 * 64) == 1  # never less than one sequence
+    seconds_per_flop = precision.PASS_SECONDS / (wide.flops_per_token(128) * 128 * 5.5)  # 5 sequences fit
+    assert precision.probe_shape(wide, 32, 128, seconds_per_flop) == (5, 128)
+    assert precision.probe_shape(wide, 4, 128, seconds_per_flop) == (4, 128)  # the real batch, when it fits
+    assert precision.probe_shape(wide, 32, 128, seconds_per_flop * 100) == (1, 64)  # shorter, not under 64
 
 
 def test_the_decision_is_cached_per_model_shape(tmp_path):
-    cache, calls = str(tmp_path / "precision.json"), []
-    measure = fake_measure({"fp32": 1.0, "bf16": 0.5}, calls)
-    assert precision.measured_cpu_choice(tiny_model(), 32, 16, cache, measure) == "bf16"
-    assert precision.measured_cpu_choice(tiny_model(), 32, 16, cache, measure) == "bf16"
-    assert len(calls) == 4  # measured once (twice each), then read from the cache
-    entry = next(iter(json.loads(open(cache).read()).values()))
-    assert entry["choice"] == "bf16" and entry["fp32_ms"] == 1000.0
-    precision.measured_cpu_choice(tiny_model(n_embd=64), 32, 16, cache, measure)  # another shape: measured
-    precision.measured_cpu_choice(tiny_model(), 32, 8, cache, measure)  # another block size: measured
-    assert len(calls) == 12
+    cache, calls = tmp_path / "precision.json", []
+    times = {"fp32": 1e-3, "bf16": 5e-4}
+    assert choose(tiny_model(), 32, 16, cache, times, calls) == "bf16"
+    assert choose(tiny_model(), 32, 16, cache, times, calls) == "bf16"
+    assert len(calls) == 6  # measured once, then read from the cache
+    entry = next(iter(json.loads(cache.read_text()).values()))
+    assert entry["choice"] == "bf16" and entry["fp32_ms"] == [32.0] * 3
+    choose(tiny_model(n_embd=64), 32, 16, cache, times, calls)  # another shape: measured
+    choose(tiny_model(), 32, 8, cache, times, calls)  # another block size: measured
+    choose(tiny_model(), 16, 16, cache, times, calls)  # another batch: measured
+    assert len(calls) == 24
+
+
+def test_the_cache_key_holds_the_cpu_flags_kernels_torch_and_threads_not_only_the_name(tmp_path, monkeypatch):
+    """Two VMs both called "AMD EPYC", one with AVX512-BF16 and one with AVX2 only, sharing a
+    home directory (NFS): each measures for itself."""
+    cache, calls = tmp_path / "precision.json", []
+    times = {"fp32": 1e-3, "bf16": 5e-4}
+    facts = {"cpu": "AMD EPYC", "flags": ["avx2", "avx512_bf16", "avx512f"], "capability": "AVX512", "env": {},
+             "torch": "2.13.0", "threads": 2}
+    monkeypatch.setattr(precision, "cpu_facts", lambda: dict(facts))
+    choose(tiny_model(), 32, 16, cache, times, calls)
+    measured = len(calls)
+    for change in ({"flags": ["avx2"]}, {"capability": "AVX2"}, {"env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}},
+                   {"torch": "2.14.0"}, {"threads": 4}):
+        monkeypatch.setattr(precision, "cpu_facts", lambda c=change: {**facts, **c})
+        choose(tiny_model(), 32, 16, cache, times, calls)
+        assert len(calls) == measured + 6, change  # not the other CPU's answer: measured
+        measured = len(calls)
+    monkeypatch.setattr(precision, "cpu_facts", lambda: dict(facts))
+    choose(tiny_model(), 32, 16, cache, times, calls)
+    assert len(calls) == measured  # the first CPU again: its cached answer
+    assert len(json.loads(cache.read_text())) == 6
+
+
+def test_cpu_facts_are_read_from_this_machine():
+    facts = precision.cpu_facts()
+    assert facts["torch"] == torch.__version__ and facts["threads"] == torch.get_num_threads()
+    assert facts["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert all(precision.SPEED_FLAGS.search(f) for f in facts["flags"])
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):
     cache, calls = tmp_path / "precision.json", []
     cache.write_text("{not json")
-    assert precision.measured_cpu_choice(tiny_model(), 8, 16, str(cache), fake_measure({"fp32": 1, "bf16": 2}, calls))\
-        == "fp32"
+    assert choose(tiny_model(), 8, 16, cache, {"fp32": 1e-3, "bf16": 2e-3}, calls) == "fp32"
     assert len(calls) == 4 and json.loads(cache.read_text())
+
+
+def test_the_matmul_probe_is_quick_and_sees_bf16s_speed():
+    slowdown = precision.bf16_matmul_slowdown(64, 4096)
+    assert 0 < slowdown < 1e4
 
 
 def test_timing_leaves_the_model_and_the_global_generators_as_they_were():
@@ -95,3 +165,71 @@ def test_the_peak_measurement_skips_matmul_sizes_that_would_take_seconds(monkeyp
         sizes = metrics.affordable_peak_sizes(cpu, torch.float16)
         assert sizes == expected, (rate, sizes)
         assert all(2 * n**3 / rate <= metrics.MAX_MATMUL_SECONDS for n in sizes if n > 256)
+
+
+def test_the_peak_is_measured_at_the_models_matmuls_and_falls_back_to_fp32_where_bf16_is_emulated(monkeypatch):
+    """MFU is quoted against the model's own matmul sizes (no square size flatters them), and
+    where bf16 is slower than fp32 there (no bf16 instructions) against fp32's rate."""
+    from mingpt_ddp import metrics
+
+    measured = []
+
+    def fake_rate(device, dtype, shape, seconds=0.2, min_rows=1):
+        measured.append((dtype, shape))
+        per_dtype = {torch.float32: 1e11, torch.bfloat16: rate_bf16[0]}[dtype]
+        return per_dtype * shape[2] / 1024  # wider matmuls run faster
+
+    monkeypatch.setattr(metrics, "matmul_flops", fake_rate)
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=256))
+    shapes = model.matmul_shapes(32 * 64)
+    assert (2048, 256, 1024) in shapes and all(m == 2048 for m, _, _ in shapes)
+    for rate_bf16, expected in (([3e9], ("fp32", 1e11, True)), ([2e11], ("bf16", 2e11, False))):
+        metrics._PEAK_CACHE.clear()
+        measured.clear()
+        peak = metrics.measured_peak(torch.device("cpu"), torch.bfloat16, shapes)
+        assert (peak.dtype, peak.flops, peak.emulated) == expected
+        assert {shape for _, shape in measured} == set(shapes)
+    metrics._PEAK_CACHE.clear()
+
+
+def test_a_matmul_too_slow_for_the_time_limit_is_rated_from_a_few_rows(monkeypatch):
+    """bench peak and the start-up peak on a CPU that emulates bf16: a 2048-size bf16 matmul
+    took over 15 minutes on an AVX2-only CPU; the rate of a 16-row one (a few seconds on
+    the fake clock here) stands for it."""
+    from mingpt_ddp import metrics
+
+    clock = [0.0]
+    per_row = {torch.float32: 1e-6, torch.bfloat16: 0.02}
+    rows_timed = []
+
+    def fake_matmul(a, b, out):
+        clock[0] += per_row[a.dtype] * a.shape[0]
+        rows_timed.append(a.shape[0])
+
+    monkeypatch.setattr(metrics.torch, "matmul", fake_matmul)
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: clock[0])
+    for dtype in (torch.bfloat16, torch.float32):
+        clock[0], rows_timed[:] = 0.0, []
+        rate = metrics.matmul_flops(torch.device("cpu"), dtype, (2048, 64, 64), seconds=0.3, min_rows=2048)
+        assert rate == pytest.approx(2 * 64 * 64 / per_row[dtype])
+        if dtype == torch.bfloat16:
+            assert set(rows_timed) == {metrics.GAUGE_ROWS} and clock[0] < 1.0
+        else:
+            assert max(rows_timed) == 2048 and clock[0] < 0.3 + 0.1
+
+
+def test_mfu_stays_under_100_percent_when_the_start_up_peak_was_held_down(tmp_path, shakespeare):
+    """Other processes on the cores while the peak was measured (issue 21 saw 232% and 274%):
+    a rate above that peak replaces it, with a note, so MFU never reads over 100%."""
+    from test_trainer import make_trainer
+    from mingpt_ddp.metrics import MetricsLog
+
+    trainer = make_trainer(shakespeare.read_text()[:20_000])
+    trainer.metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=10)
+    trainer.peak_flops = 1e6
+    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01, wall_seconds=0.01)
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["mfu"] == pytest.approx(1.0) and trainer.peak_flops > 1e6
+    trainer.peak_flops = 1e15  # a plausible peak is left alone
+    trainer._log_train(torch.tensor(2.0), steps=1, seconds=0.01, wall_seconds=0.01)
+    assert trainer.peak_flops == 1e15

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO, TINY, output
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
 MULTINODE = REPO / "launch" / "multinode.sh"
@@ -333,6 +333,17 @@ def test_sbatch_train_script_completes(reference_job):
     assert f"saved snapshot {run_dir}/snapshot.step" in log, log
 
 
+def preempted_job(slurm: dict, log_dir: Path, args: list[str], progress: str, timeout: float = 240):
+    """`sbatch launch/train.sbatch ARGS`, SIGUSR1 to its batch shell once the log shows
+    `progress`; (job id, final state, log) once the job has left the queue."""
+    job = sbatch(slurm, log_dir, args)
+    log_path = log_dir / f"mingpt_{job}.out"
+    wait_for_text(log_path, progress, timeout=150)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
+    state = wait_job(slurm, job, timeout=timeout)
+    return job, state, log_path.read_text()
+
+
 def test_sbatch_preemption_snapshots_requeues_and_resumes_exactly(slurm, reference_job, small_corpus, tmp_path):
     """SIGUSR1 to the batch shell (as `--signal=B:USR1@120` does before the time limit):
     train.sbatch passes it to the training step, the trainer snapshots and stops, the
@@ -341,12 +352,8 @@ def test_sbatch_preemption_snapshots_requeues_and_resumes_exactly(slurm, referen
     _, ref_state, ref_log = reference_job
     assert ref_state == "COMPLETED", ref_log
     run_dir = tmp_path / "run"
-    job = sbatch(slurm, tmp_path, tiny(small_corpus, *REFERENCE_ARGS, f"hydra.run.dir={run_dir}"))
-    log_path = tmp_path / f"mingpt_{job}.out"
-    wait_for_text(log_path, rf"step 2/{REFERENCE_STEPS} ", timeout=150)
-    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True)
-    state = wait_job(slurm, job, timeout=240)
-    log = log_path.read_text()
+    job, state, log = preempted_job(slurm, tmp_path, tiny(small_corpus, *REFERENCE_ARGS, f"hydra.run.dir={run_dir}"),
+                                    rf"step 2/{REFERENCE_STEPS} ")
     assert state == "COMPLETED", log
     assert "SIGUSR1" in log and f"requeueing job {job}" in log, log
     m = re.search(r"(?:preempted|stopped by SIG[A-Z0-9]+) at step (\d+)", log)
@@ -358,6 +365,24 @@ def test_sbatch_preemption_snapshots_requeues_and_resumes_exactly(slurm, referen
     assert re.search(rf"resumed from \S+: epoch \d+, step {stopped_at}", log), log
     assert f"done: step {REFERENCE_STEPS}" in log, log
     assert final_fingerprint(log) == final_fingerprint(ref_log), "resumed run differs from the uninterrupted one"
+
+
+def test_sbatch_sweep_preemption_ends_the_sweep_and_the_requeued_job_finishes_it(slurm, small_corpus, tmp_path):
+    """`sbatch launch/train.sbatch -m ...` and SIGUSR1 to the batch shell during point 0:
+    that point snapshots, the sweep ends there (point 1 never starts in that attempt), the
+    step exits 0 and the script requeues the job; the requeued sweep resumes point 0 and
+    runs point 1."""
+    sweep = tmp_path / "sweep"
+    job, state, log = preempted_job(slurm, tmp_path, ["-m", "trainer.seed=1,2", *tiny(
+        small_corpus, "trainer.max_steps=20", f"hydra.sweep.dir={sweep}")], r"step 5/20 ", timeout=400)
+    assert state == "COMPLETED", log
+    first, _, after = log.partition("restart 1")
+    assert after, log
+    assert "sweep stopped by SIGUSR1 after point 0" in first and f"requeueing job {job}" in first, log
+    assert "#1 : trainer.seed=2" not in first and "step 5/20 " in first, log  # point 1 never started
+    assert re.search(r"resumed from \S+/0/snapshot\.step\d+\.pt", after), log
+    rows = (sweep / "summary.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[2] for r in rows] == ["completed", "completed"], rows
 
 
 # ---- pre-flight checks -----------------------------------------------------------------------

@@ -21,6 +21,7 @@ def summary_rows(sweep_dir):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.dist
 def test_a_2x2_sweep_under_torchrun_gives_four_independent_points(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", "model=gpt-nano,gpt-micro", *FIXED, "trainer.max_steps=10",
@@ -46,6 +47,7 @@ def test_a_2x2_sweep_under_torchrun_gives_four_independent_points(tmp_path, smal
     assert (sweep / "summary.md").read_text().count("| completed |") == 4
 
 
+@pytest.mark.cli
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "model.n_embd=48,50,96", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
@@ -59,6 +61,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_pa
     assert stop.returncode == 2 and not (tmp_path / "stop" / "1").exists()
 
 
+@pytest.mark.dist
 def test_a_restart_mid_sweep_skips_finished_points_and_resumes_the_interrupted_one(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", MAIN, "-m",
@@ -84,6 +87,7 @@ def test_a_restart_mid_sweep_skips_finished_points_and_resumes_the_interrupted_o
     assert [r["status"] for r in summary_rows(sweep)] == ["completed"] * 3
 
 
+@pytest.mark.cli
 def test_plot_of_a_two_point_sweep_is_a_real_png(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", *FIXED, "trainer.max_steps=20", "trainer.eval_every=5",
@@ -98,3 +102,54 @@ def test_plot_of_a_two_point_sweep_is_a_real_png(tmp_path, small_corpus):
     width, height = struct.unpack(">II", data[16:24])
     assert width >= 800 and height >= 600 and len(data) > 20_000
     assert (sweep / "losses.png").is_file() and "![losses](losses.png)" in (sweep / "summary.md").read_text()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("how", ["SIGUSR1 to one worker", "SIGTERM to torchrun"])
+def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, small_corpus, how):
+    """Slurm's preemption warning (SIGUSR1) or a SIGTERM during point 0: that point saves a
+    snapshot and the whole sweep ends (the next point never starts), exiting 0 as a single
+    run does, so that train.sbatch requeues the job; the requeued sweep resumes point 0."""
+    sweep = tmp_path / "sweep"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=0", MAIN, "-m", "optimizer.lr=1e-3,2e-3",
+           *FIXED, "trainer.max_epochs=1000", f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    try:
+        wait_for(lambda: metrics_lines(sweep / "0") >= 4, 300, "point 0 training")
+        if how.startswith("SIGUSR1"):
+            os.kill(children(proc.pid)[-1], signal.SIGUSR1)
+        else:
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the sweep went on after the stop signal:\n" + (tmp_path / "log").read_text())
+    finally:
+        if proc.poll() is None:  # torchrun's workers run in sessions of their own
+            for pid in children(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = (tmp_path / "log").read_text()
+    if how.startswith("SIGUSR1"):
+        assert code == 0, text
+    assert not (sweep / "1").exists(), text  # the next point never started
+    result = yaml.safe_load((sweep / "0" / "result.json").read_text())
+    assert result["status"].startswith("stopped by SIG"), result
+    assert (sweep / "0" / "snapshot.pt").is_file()
+    assert "sweep stopped by SIG" in text, text
+    if how.startswith("SIGUSR1"):
+        assert "Traceback" not in text, text
+
+
+@pytest.mark.unit
+def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
+    """result.json (and the summary.csv built from it) never holds a URL's credentials."""
+    from mingpt_ddp import sweep
+    url = "s3://u:hunter2pw@bucket/run/snapshot.pt?X-Amz-Signature=abcdef0123456789"
+    sweep.write_result(str(tmp_path), {"status": "completed", "val_loss": 2.0, "snapshot": url,
+                                       "error": f"cannot write {url}"})
+    text = (tmp_path / "result.json").read_text()
+    assert "hunter2pw" not in text and "abcdef0123456789" not in text
+    assert "bucket/run/snapshot.pt" in text  # still says where the snapshot is

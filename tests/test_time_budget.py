@@ -6,10 +6,13 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, read_metrics
 from mingpt_ddp.time_budget import CALIBRATION_STEPS, TimeBudget
 
 
+@pytest.mark.unit
 def test_the_plan_fits_what_is_left_of_the_budget_after_calibrating():
     now = [0.0]
     budget = TimeBudget(10, clock=lambda: now[0])  # 600 s
@@ -28,6 +31,7 @@ def test_the_plan_fits_what_is_left_of_the_budget_after_calibrating():
     assert slow.plan(3) == 3
 
 
+@pytest.mark.unit
 def test_calibration_ends_after_enough_steps_even_on_a_long_budget():
     now = [0.0]
     budget = TimeBudget(600, clock=lambda: now[0])
@@ -37,6 +41,7 @@ def test_calibration_ends_after_enough_steps_even_on_a_long_budget():
     assert budget.plan(CALIBRATION_STEPS) is not None
 
 
+@pytest.mark.dist
 def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.path={small_corpus}", "trainer.max_epochs=1000", "trainer.time_budget_minutes=0.4",
@@ -63,3 +68,17 @@ def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, 
     final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
     assert final["step"] == plan and final["planned_steps"] == plan
     assert read_metrics(run_dir)[-1]["step"] == plan
+
+    # Finished by its plan: the message says how to go on, and doing so works. Without a
+    # budget, max_steps decides (the plan is lifted); a new budget plans again.
+    again = subprocess.run([PYTHON, MAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    text = again.stdout + again.stderr
+    assert again.returncode == 0 and "run already finished" in text, text
+    assert f"its time budget's plan of {plan} steps" in text and "trainer.time_budget_minutes=null" in text, text
+    lifted = subprocess.run([PYTHON, MAIN, *args, "trainer.time_budget_minutes=null", f"trainer.max_steps={plan + 10}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    text = lifted.stdout + lifted.stderr
+    assert lifted.returncode == 0, text
+    assert "time budget changed from 0.4 min to none" in text, text
+    final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
+    assert final["step"] == plan + 10 and final["planned_steps"] is None, text
