@@ -156,7 +156,8 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     corpus, with_vocab = load(tmp_path / "text.txt", cache, vocab=wider)
     assert with_vocab.name != first.name and corpus.vocab.chars == wider
     files = os.listdir(cache / "tokens")
-    assert sorted(n for n in files if not n.endswith(".json")) == sorted([first.name, with_vocab.name])
+    # (the encode-once lock file stays: every waiter must lock the same file)
+    assert sorted(n for n in files if not n.endswith((".json", ".lock"))) == sorted([first.name, with_vocab.name])
     assert len([n for n in files if n.endswith(".json")]) == 1  # one index entry: the text was read once
     with open(tmp_path / "text.txt", "a") as f:
         f.write("more text")
@@ -477,6 +478,7 @@ def _prepare_docs(path, cache, kind="char"):
     return token_cache.prepare(path, None, None, str(cache), 0.0, tokenization=token_cache.Tokenization(kind=kind))
 
 
+@pytest.mark.unit
 def test_json_lines_copies_with_other_text_of_the_same_length_have_other_hashes(tmp_path):
     """Nodes compare text_sha256: a node's copy with "thy" for "the" must not pass for the same text."""
     docs = [f"the cat {i} sat on the mat" for i in range(50)]
@@ -489,17 +491,20 @@ def test_json_lines_copies_with_other_text_of_the_same_length_have_other_hashes(
     assert again.text_sha256 == a.text_sha256  # the same text, another file: the same hash
 
 
+@pytest.mark.unit
 def test_a_char_run_on_one_json_lines_document(tmp_path):
     made = _prepare_docs(_jsonl(tmp_path / "one.jsonl", ["the quick brown fox " * 20]), tmp_path / "cache")
     assert made.length == len("the quick brown fox " * 20) and "\n" not in made.chars
 
 
+@pytest.mark.unit
 def test_json_lines_bytes_are_the_texts_not_the_files(tmp_path):
     docs = ["héllo wörld " * 30 for _ in range(20)]
     made = _prepare_docs(_jsonl(tmp_path / "c.jsonl.gz", docs, gz=True), tmp_path / "cache")
     assert made.corpus_bytes == len("\n".join(docs).encode())
 
 
+@pytest.mark.unit
 def test_the_document_path_removes_unused_cache_files(tmp_path):
     directory = token_cache.tokens_dir(str(tmp_path / "cache"))
     os.makedirs(directory)
@@ -518,6 +523,7 @@ def _hold_cache_lock(directory, queue):
         queue.put(("out", time.time()))
 
 
+@pytest.mark.unit
 def test_the_cache_lock_left_by_a_dead_process_is_held_by_one_waiter_at_a_time(tmp_path):
     import multiprocessing
     lock = tmp_path / f".{token_cache._digest('corpus')}.lock"
