@@ -156,7 +156,8 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     corpus, with_vocab = load(tmp_path / "text.txt", cache, vocab=wider)
     assert with_vocab.name != first.name and corpus.vocab.chars == wider
     files = os.listdir(cache / "tokens")
-    assert sorted(n for n in files if not n.endswith(".json")) == sorted([first.name, with_vocab.name])
+    # (the encode-once lock file stays: every waiter must lock the same file)
+    assert sorted(n for n in files if not n.endswith((".json", ".lock"))) == sorted([first.name, with_vocab.name])
     assert len([n for n in files if n.endswith(".json")]) == 1  # one index entry: the text was read once
     with open(tmp_path / "text.txt", "a") as f:
         f.write("more text")
@@ -461,3 +462,80 @@ def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path
     token_files = [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(".uint8")]
     assert len(token_files) == 3  # the wide text, the narrow one with its own and with the snapshot's characters
     assert load_snapshot(tmp_path / "run" / "snapshot.pt")["vocab"] == "".join(sorted(set(wide.read_text())))
+
+
+# ---- review of issue 25: the document path ----------------------------------------------------
+def _jsonl(path, docs, gz=False):
+    import gzip
+    import json
+    data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    (gzip.open if gz else open)(path, "wb").write(data)
+    return str(path)
+
+
+def _prepare_docs(path, cache, kind="char"):
+    pytest.importorskip("pyarrow")
+    return token_cache.prepare(path, None, None, str(cache), 0.0, tokenization=token_cache.Tokenization(kind=kind))
+
+
+@pytest.mark.unit
+def test_json_lines_copies_with_other_text_of_the_same_length_have_other_hashes(tmp_path):
+    """Nodes compare text_sha256: a node's copy with "thy" for "the" must not pass for the same text."""
+    docs = [f"the cat {i} sat on the mat" for i in range(50)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = _prepare_docs(_jsonl(tmp_path / "a" / "c.jsonl", docs), tmp_path / "ca")
+    b = _prepare_docs(_jsonl(tmp_path / "b" / "c.jsonl", [d.replace("the", "thy") for d in docs]), tmp_path / "cb")
+    assert a.length == b.length and a.text_sha256 and b.text_sha256
+    assert a.text_sha256 != b.text_sha256
+    again = _prepare_docs(_jsonl(tmp_path / "b" / "d.jsonl", docs), tmp_path / "cb")
+    assert again.text_sha256 == a.text_sha256  # the same text, another file: the same hash
+
+
+@pytest.mark.unit
+def test_a_char_run_on_one_json_lines_document(tmp_path):
+    made = _prepare_docs(_jsonl(tmp_path / "one.jsonl", ["the quick brown fox " * 20]), tmp_path / "cache")
+    assert made.length == len("the quick brown fox " * 20) and "\n" not in made.chars
+
+
+@pytest.mark.unit
+def test_json_lines_bytes_are_the_texts_not_the_files(tmp_path):
+    docs = ["héllo wörld " * 30 for _ in range(20)]
+    made = _prepare_docs(_jsonl(tmp_path / "c.jsonl.gz", docs, gz=True), tmp_path / "cache")
+    assert made.corpus_bytes == len("\n".join(docs).encode())
+
+
+@pytest.mark.unit
+def test_the_document_path_removes_unused_cache_files(tmp_path):
+    directory = token_cache.tokens_dir(str(tmp_path / "cache"))
+    os.makedirs(directory)
+    old = os.path.join(directory, "old.uint8")
+    open(old, "wb").write(b"x")
+    os.utime(old, (time.time() - 2 * token_cache.UNUSED_FOR_S,) * 2)
+    _prepare_docs(_jsonl(tmp_path / "c.jsonl", ["some text"] * 5), tmp_path / "cache")
+    assert not os.path.exists(old)
+
+
+def _hold_cache_lock(directory, queue):
+    token_cache.LOCK_STALE_S, token_cache.LOCK_HEARTBEAT_S = 1.0, 0.1
+    with token_cache.shared_cache_lock(directory, "corpus"):
+        queue.put(("in", time.time()))
+        time.sleep(0.5)
+        queue.put(("out", time.time()))
+
+
+@pytest.mark.unit
+def test_the_cache_lock_left_by_a_dead_process_is_held_by_one_waiter_at_a_time(tmp_path):
+    import multiprocessing
+    lock = tmp_path / f".{token_cache._digest('corpus')}.lock"
+    lock.write_text("dead pid\n")
+    os.utime(lock, (time.time() - 100,) * 2)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_hold_cache_lock, args=(str(tmp_path), queue)) for _ in range(3)]
+    [w.start() for w in workers]
+    [w.join(60) for w in workers]
+    inside, most = 0, 0
+    for kind, _ in sorted((queue.get() for _ in range(6)), key=lambda e: e[1]):
+        inside += 1 if kind == "in" else -1
+        most = max(most, inside)
+    assert most == 1
