@@ -207,6 +207,14 @@ for field in $("$PYTHON" -m mingpt_ddp.network "$HEAD_NODE" 2>/dev/null || true)
   esac
 done
 net_notes=()
+# A host name that resolves to loopback on this node (Debian's 127.0.1.1 line in /etc/hosts):
+# the route says nothing about the network the other nodes use, and advertising 127.x would
+# send them to their own loopback. Leave address and interface to torch and NCCL (the FQDN,
+# their own interface choice), as without this script. An IP literal stays as given.
+if ((${NNODES##*:} > 1)) && [[ $route_addr =~ ^127\.|^::1$ ]] && ! [[ $HEAD_NODE =~ ^[0-9.]+$|: ]]; then
+  net_notes+=("$HEAD_NODE resolves to $route_addr here: address and interface left to torch/NCCL")
+  route_addr="" route_iface="" route_loopback=1
+fi
 if [ -n "${GLOO_SOCKET_IFNAME:-}" ]; then
   net_notes+=("GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME kept")
 elif [ -n "${NCCL_SOCKET_IFNAME:-}" ] && [[ $NCCL_SOCKET_IFNAME =~ ^=?[A-Za-z0-9_.-]+$ ]]; then
@@ -224,7 +232,9 @@ if [ -n "${LOCAL_ADDR:-}" ]; then
 elif [ -n "$route_addr" ]; then
   LOCAL_ADDR=$route_addr; net_notes+=("LOCAL_ADDR=$route_addr set")
 fi
-if [ -n "$route_iface" ]; then
+if ((${route_loopback:-0})); then
+  net_state="net=default ($(IFS=';'; echo "${net_notes[*]}" | sed 's/;/, /g'))"
+elif [ -n "$route_iface" ]; then
   net_state="net=$route_iface $route_addr (the route to $HEAD_NODE; $(IFS=';'; echo "${net_notes[*]}" | sed 's/;/, /g'))"
 else
   net_state="net=unknown (no route to $HEAD_NODE found${net_notes:+; $(IFS=';'; echo "${net_notes[*]}" | sed 's/;/, /g')})"

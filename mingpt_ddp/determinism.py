@@ -47,8 +47,13 @@ def apply(enabled: bool, compiled: bool) -> None:
 
 
 def explain(exc: RuntimeError) -> ConfigError | None:
-    """The one-line error for an op without a deterministic kernel under trainer.deterministic=true."""
+    """The one-line error for an op without a deterministic kernel under trainer.deterministic=true,
+    or for inductor refusing a benchmark in its deterministic mode (torch >= 2.10, compiled)."""
     text = str(exc)
+    if "In the deterministic mode of Inductor" in text:
+        return ConfigError("trainer.deterministic=true: inductor's deterministic mode refused to benchmark a "
+                           "kernel choice while compiling: set trainer.compile=false (or "
+                           "trainer.deterministic=false)")
     if "does not have a deterministic implementation" not in text:
         return None
     return ConfigError(f"trainer.deterministic=true: {text.splitlines()[0].split('. ')[0]}: set "

@@ -385,9 +385,10 @@ def _post(key: str, outcome: tuple[str, Any], readers: int) -> None:
         time.sleep(0.05)
 
 
-def _await(keys: list[str], what: str) -> list[tuple[str, Any]]:
+def _await(keys: list[str], what: str, hint: str = "") -> list[tuple[str, Any]]:
     """The outcomes under `keys`, waiting up to the rank-0 wait. Polled (check, then a short
-    sleep, doubling up to 0.5 s) rather than a blocking store wait, so signal handlers run."""
+    sleep, doubling up to 0.5 s) rather than a blocking store wait, so signal handlers run.
+    `hint` replaces the default advice (a hung node) where slow work is the likelier cause."""
     deadline = time.monotonic() + 60 * _rank0_wait_minutes
     delay = 0.002
     try:
@@ -395,8 +396,8 @@ def _await(keys: list[str], what: str) -> list[tuple[str, Any]]:
             if time.monotonic() >= deadline:
                 raise ConfigError(
                     f"waited {_rank0_wait_minutes:g} minutes for {what} (trainer.save_retry_minutes or "
-                    "load_retry_minutes plus 5): its storage or its process hangs; check that node, then run "
-                    "the same command to resume from the newest snapshot")
+                    "load_retry_minutes plus 5): " + (hint or "its storage or its process hangs; check that node, "
+                                                      "then run the same command to resume from the newest snapshot"))
             time.sleep(delay)
             delay = min(2 * delay, 0.5)
         outcomes = [pickle.loads(_store.get(key)) for key in keys]
@@ -484,7 +485,10 @@ def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: boo
     if dist.local_rank == 0:
         outcome, mine = _outcome(fn)
         _post(f"{base}/{dist.rank}", outcome, readers=0)
-    outcomes = _await([f"{base}/{r}" for r in runners], "each node's first process preparing its data")
+    outcomes = _await([f"{base}/{r}" for r in runners], "each node's first process preparing its data",
+                      hint="a corpus that takes longer to encode is prepared ahead, once per node-local cache or "
+                           "once for a shared one: python -m mingpt_ddp.prepare <the same data.* overrides> (or "
+                           "raise trainer.load_retry_minutes); if it is not that, check that node's storage")
     for kind in ("config", "bug"):
         for runner, outcome in zip(runners, outcomes):
             if outcome[0] == kind:

@@ -26,7 +26,8 @@ from mingpt_ddp.errors import ConfigError
 PARQUET = "parquet"
 JSONL = "jsonl"
 TEXT = "text"
-_SUFFIXES = ((".parquet", PARQUET), (".jsonl", JSONL), (".jsonl.gz", JSONL))
+# .json too: data sets ship JSON lines under that name (a file of one JSON document is refused by line)
+_SUFFIXES = ((".parquet", PARQUET), (".jsonl", JSONL), (".jsonl.gz", JSONL), (".json", JSONL), (".json.gz", JSONL))
 
 
 def file_format(name: str) -> str:
@@ -84,7 +85,8 @@ def _parquet_documents(path: str, column: str, storage_options, name: str) -> It
         kind = schema.field(column).type
         if pa.types.is_dictionary(kind):
             kind = kind.value_type
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+                or getattr(pa.types, "is_string_view", lambda _: False)(kind)):
             raise ConfigError(f"data file {name}: column {column!r} holds {kind}, not text: "
                               "set data.text_column=<a string column>")
         for group in range(parquet.num_row_groups):

@@ -21,6 +21,7 @@ Passes over the files, each streaming (memory: a bounded batch of text and its i
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -44,24 +45,36 @@ class Scan:
     chars: int  # characters of the documents joined by newlines
     distinct: str  # the sorted distinct characters (newline included when there are two documents or more)
     documents: int
+    sha256: str = ""  # of the documents' UTF-8 text, each boundary hashed as a byte UTF-8 never has
+    text_bytes: int = 0  # UTF-8 bytes of the documents joined by newlines (what val_bpb and MB/s count)
+
+
+DOCUMENT_BOUNDARY = b"\xff"  # in the hash only: no UTF-8 text holds this byte, so no text can fake a boundary
 
 
 def scan(stream_of_documents: Callable[[], Iterable[Iterable[str]]], collect_chars: bool) -> Scan:
-    """Pass 1: count characters and documents; collect the distinct characters if asked."""
-    count, docs, seen = 0, 0, set()
+    """Pass 1: count characters, bytes and documents, hash the text (what nodes compare:
+    two copies of a corpus with other text never pass for one); collect the distinct
+    characters if asked."""
+    count, size, docs, seen, digest = 0, 0, 0, set(), hashlib.sha256()
     for piece in documents.joined(stream_of_documents()):
         if piece is documents.SEPARATOR:
             count += 1
+            size += 1
             docs += 1
+            digest.update(DOCUMENT_BOUNDARY)
             if collect_chars:
                 seen.add("\n")
             continue
+        data = piece.encode("utf-8")
+        digest.update(data)
         count += len(piece)
+        size += len(data)
         if collect_chars:
             seen.update(piece)
     if count == 0:
         raise ConfigError("the corpus has no text: every document is empty")
-    return Scan(count, "".join(sorted(seen)), docs + 1)
+    return Scan(count, "".join(sorted(seen)), docs + 1, digest.hexdigest(), size)
 
 
 def train_chars(total_chars: int, val_fraction: float) -> int:
@@ -121,17 +134,19 @@ def write_tokens(tok: tokenizer.Tokenizer, stream_of_documents: Callable[[], Ite
         yield from documents.split_at(documents.joined(docs), split)
 
     batch_chars = BATCH_CHARS_PER_CORE * max(1, os.cpu_count() or 1)
-    separator = tok.separator_ids
+    separator = None  # only when there is a second document: `char` may know no newline otherwise
     written, train_tokens, done = 0, None, 0
     batch: list[Optional[str]] = []
     size = 0
     progress = _Progress(total_chars, what)
 
     def flush() -> None:
-        nonlocal written, batch, size
+        nonlocal written, batch, size, separator
         texts = [p for p in batch if p is not documents.SEPARATOR]
         encoded = iter(tok.encode_batch(texts)) if texts else iter(())
         for piece in batch:
+            if piece is documents.SEPARATOR and separator is None:
+                separator = tok.separator_ids
             ids = separator if piece is documents.SEPARATOR else next(encoded)
             out.write(ids.tobytes())
             written += len(ids)

@@ -44,7 +44,7 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 import torch
 
-from mingpt_ddp import distributed, documents, encoding, storage, tokenizer
+from mingpt_ddp import distributed, documents, encoding, run_lock, storage, tokenizer
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -611,7 +611,8 @@ def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
         return
     for entry in entries:
         try:
-            if entry.is_file(follow_symlinks=False) and entry.stat().st_mtime < cutoff:
+            if (entry.is_file(follow_symlinks=False) and not entry.name.endswith(".lock")
+                    and entry.stat().st_mtime < cutoff):
                 os.unlink(entry.path)
         except OSError:
             pass
@@ -638,19 +639,23 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
     names = _digest(["documents", *[s.name for s in sources]])
     key = f"{names}-{_digest([FORMAT, how.text_column, [list(s.identity) for s in sources]])}"
     stream = document_stream(sources, how.text_column)
-    corpus_bytes = sum(s.size for s in sources)
+    file_bytes = sum(s.size for s in sources)  # compressed, or with JSON's syntax: not the text's size
     started = time.perf_counter()
     meta_path = os.path.join(directory, key + ".json")
     meta = _read_json(meta_path)
     chars_needed = how.kind == "char"  # the BPEs need only the count: collecting characters costs seconds per 100 MB
-    if meta is None or "documents" not in meta or (chars_needed and meta.get("chars") is None):
-        log.info("data %s: reading %d file(s), %.1f MB, to count its characters", path, len(sources), corpus_bytes / 1e6)
+    if (meta is None or "documents" not in meta or "text_sha256" not in meta
+            or (chars_needed and meta.get("chars") is None)):
+        log.info("data %s: reading %d file(s), %.1f MB of files, to count its characters", path, len(sources),
+                 file_bytes / 1e6)
         found = encoding.scan(stream, collect_chars=chars_needed)
         _unchanged(sources)
         meta = {"format": FORMAT, "chars": found.distinct if chars_needed else None, "length": found.chars,
-                "documents": found.documents, "sources": [[s.name, s.size] for s in sources]}
+                "documents": found.documents, "text_sha256": found.sha256, "text_bytes": found.text_bytes,
+                "sources": [[s.name, s.size] for s in sources]}
         storage.write_local_atomically(meta_path, lambda out: out.write(json.dumps(meta, ensure_ascii=False).encode()))
     split = encoding.train_chars(meta["length"], how.val_fraction)
+    corpus_bytes = meta["text_bytes"]  # the text's UTF-8 bytes: bytes per token and MB/s of text, whatever the format
 
     tok = _tokenizer_for(path, how, vocab, meta, stream, split, directory, key)
     state = tok.to_dict()
@@ -690,8 +695,9 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
                  corpus_bytes / 1e6 / max(encode_s, 1e-9))
     for used in (meta_path, token_path, counts_path, *([os.path.join(directory, tokenizer_name)] if tokenizer_name else [])):
         _touch(used)  # in use: remove_unused leaves it alone
+    remove_unused(directory)
     return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
-                     encode_s, directory=directory, tokenizer=tokenizer_name,
+                     encode_s, directory=directory, text_sha256=meta["text_sha256"], tokenizer=tokenizer_name,
                      train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint)
 
 
@@ -740,13 +746,45 @@ def shared_cache_lock(directory: str, path: str) -> Iterator[None]:
     """Exclusive use of `directory` for corpus `path` among all processes that share it.
 
     With data.cache_dir on storage all nodes share (FSx, NFS), every node's local rank 0
-    arrives here at about the same time: the first creates the lock file (O_CREAT|O_EXCL,
-    atomic on those filesystems too) and encodes while a thread keeps its modification
-    time fresh; the others wait, then find the token file made and only map it. A lock
-    left by a killed process goes stale after LOCK_STALE_S and is taken over. On a
-    node-local cache only one process per node comes here: the lock is always free.
+    arrives here at about the same time: the first takes the lock and encodes; the others
+    wait, then find the token file made and only map it. Where flock reaches every process
+    that sees the file (run_lock.flock_reaches_everyone: local disks, NFS, Lustre with
+    flock), the kernel lock on a file that is never removed: released when its holder
+    ends or dies, no staleness guessed. Elsewhere a lock file (_lock_file_lease).
     """
     lock = os.path.join(directory, f".{_digest(path)}.lock")
+    if run_lock.fcntl is not None and run_lock.flock_reaches_everyone(directory):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        held, waited = False, False
+        try:
+            while not held:
+                try:
+                    run_lock.fcntl.flock(fd, run_lock.fcntl.LOCK_EX | run_lock.fcntl.LOCK_NB)
+                    held = True
+                except BlockingIOError:
+                    if not waited:
+                        log.info("data %s: another process is preparing the token cache %s; waiting for it", path,
+                                 directory)
+                        waited = True
+                    time.sleep(0.2)
+                except OSError as exc:
+                    if exc.errno not in run_lock._NO_FLOCK:
+                        raise
+                    break  # no flock on this filesystem after all: the lock file below
+            if held:
+                yield
+        finally:
+            os.close(fd)  # releases the kernel lock; the file stays, so every waiter locks the same inode
+        if held:
+            return
+    with _lock_file_lease(lock, path, directory):
+        yield
+
+
+@contextlib.contextmanager
+def _lock_file_lease(lock: str, path: str, directory: str) -> Iterator[None]:
+    """Where there is no flock: the first creates the lock file (O_CREAT|O_EXCL) and keeps
+    its modification time fresh; a lock untouched for LOCK_STALE_S is taken over."""
     waited = False
     while True:
         try:

@@ -9,6 +9,8 @@ import pytest
 from mingpt_ddp import documents
 from mingpt_ddp.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
@@ -32,7 +34,7 @@ def write_jsonl(path, records):
 def test_formats_come_from_the_file_names():
     assert [documents.file_format(n) for n in ("a.parquet", "s3://b/x.PARQUET", "a.jsonl", "a.jsonl.gz",
                                                  "a.txt", "a.json", "a.gz", "s3://b/k.jsonl?X-Amz-Signature=s")] == \
-        ["parquet", "parquet", "jsonl", "jsonl", "text", "text", "text", "jsonl"]
+        ["parquet", "parquet", "jsonl", "jsonl", "text", "jsonl", "text", "jsonl"]
 
 
 def test_parquet_is_read_row_group_by_row_group(tmp_path, monkeypatch):
@@ -135,3 +137,23 @@ def test_without_pyarrow_the_error_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     with pytest.raises(ConfigError, match=r"pip install 'mingpt-ddp\[parquet\]'"):
         list(documents.read_documents(str(tmp_path / "x.parquet")))
+
+
+@pytest.mark.parametrize("name", ["c.json", "c.json.gz"])
+def test_json_lines_named_json_are_read_as_json_lines(tmp_path, name):
+    import gzip
+    path = tmp_path / name
+    data = b'{"text": "first"}\n{"text": "second"}\n'
+    (gzip.open if name.endswith(".gz") else open)(path, "wb").write(data)
+    assert documents.file_format(str(path)) == documents.JSONL
+    assert list(documents.read_documents(str(path))) == ["first", "second"]
+
+
+def test_parquet_string_view_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    if not hasattr(pa, "string_view"):
+        pytest.skip("this pyarrow has no string_view")
+    path = tmp_path / "v.parquet"
+    pq.write_table(pa.table({"text": pa.array(["a b", "c d"], type=pa.string_view())}), path)
+    assert list(documents.read_documents(str(path))) == ["a b", "c d"]

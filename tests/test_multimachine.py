@@ -55,6 +55,7 @@ def resolve(tmp_path: Path, **settings: str) -> tuple[str, str]:
     return topology[0], proc.stdout
 
 
+@pytest.mark.dist
 def test_topology_resolution(tmp_path):
     """What multinode.sh derives from its environment: workers per GPU (CUDA_VISIBLE_DEVICES,
     else `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count, first node, job id
@@ -99,6 +100,7 @@ def test_topology_resolution(tmp_path):
     assert bad.returncode == 1 and "NNODES=two" in bad.stderr, bad.stderr
 
 
+@pytest.mark.cli
 def test_two_machines_with_different_process_counts_started_apart(tmp_path, small_corpus):
     """Machine A (1 process) starts, machine B (2 processes, same HEAD_NODE and NNODES=2,
     no RUN_ID: the default is derived from HEAD_NODE and the port, so both agree) starts
@@ -145,6 +147,7 @@ def test_two_machines_with_different_process_counts_started_apart(tmp_path, smal
     assert (tmp_path / "run" / "snapshot.pt").exists()
 
 
+@pytest.mark.dist
 def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path, small_corpus):
     """A machine pointed at a head where nothing answers (a loopback address and port with no
     listener: tests send traffic to 127.0.0.0/8 only) does not hang:
@@ -168,6 +171,7 @@ def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path
     assert not re.search(r"Traceback", err), err
 
 
+@pytest.mark.cli
 def test_preflight_reports_what_the_workers_see_and_their_transport(tmp_path):
     """PREFLIGHT=only: each node's line gives the FI_*/NCCL_* variables as the workers see
     them (a value set outside the launcher, as a container image's ENV, included), and the
@@ -201,6 +205,7 @@ except Exception as exc:
 '''
 
 
+@pytest.mark.dist
 def test_the_agents_store_failures_print_no_cpp_frames():
     """The agent (mingpt_ddp.torchrun) imports torch with c10's log at FATAL: a store call that
     fails when the rendezvous host goes away reaches Python as one exception, without c10d's
@@ -212,3 +217,18 @@ def test_the_agents_store_failures_print_no_cpp_frames():
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0 and text.startswith("python: "), text
     assert "frame #" not in text and "TCPStore.cpp" not in text, text
+
+
+@pytest.mark.cli
+def test_a_head_name_resolving_to_loopback_advertises_no_loopback_address(tmp_path):
+    """Under Slurm HEAD_NODE is a host name, which on the head itself often resolves to
+    127.0.1.1 (Debian's /etc/hosts): advertising that, or binding lo, would send the other
+    nodes to their own loopback. `localhost` stands for such a name here. An IP literal
+    (several "machines" on one host) keeps its route."""
+    topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="2")
+    assert "net=default (localhost resolves to " in topo, topo
+    assert "--local-addr" not in cmd and "IFNAME=lo" not in topo, (topo, cmd)
+    topo, cmd = resolve(tmp_path, HEAD_NODE="127.0.0.1", NNODES="2")
+    assert "net=lo 127.0.0.1" in topo and "--local-addr=127.0.0.1" in cmd, (topo, cmd)
+    topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="1")
+    assert "net=lo " in topo, topo

@@ -46,6 +46,7 @@ def make_trainer(corpus, metrics=None, **trainer_kw):
 
 
 # ---- the same results as before ------------------------------------------------------------
+@pytest.mark.unit
 def test_token_file_gives_todays_vocabulary_split_windows_order_and_losses_bit_for_bit(shakespeare, tmp_path):
     old = todays_corpus(shakespeare.read_bytes())
     new, token_file = load(shakespeare, tmp_path / "cache")
@@ -70,6 +71,7 @@ def test_token_file_gives_todays_vocabulary_split_windows_order_and_losses_bit_f
     assert trainers[0].evaluate() == trainers[1].evaluate()
 
 
+@pytest.mark.unit
 def test_characters_split_between_chunks_are_decoded_and_encoded_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 7)  # every multi-byte character straddles some boundary
     text = ("naïve café, 東京 ☃ 𝄞 done.\n" * 50 + "plain ascii tail " * 20).encode()
@@ -79,6 +81,7 @@ def test_characters_split_between_chunks_are_decoded_and_encoded_exactly(tmp_pat
     assert new.vocab == old.vocab and torch.equal(new.tokens.long(), old.tokens.long())
 
 
+@pytest.mark.unit
 def test_more_than_256_characters_use_uint16_ids(tmp_path):
     text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 300)).encode() * 3
     (tmp_path / "cjk.txt").write_bytes(text)
@@ -99,6 +102,7 @@ def write_parts(directory):
     (directory / "sub" / "nested.txt").write_text("never read: QRS")
 
 
+@pytest.mark.unit
 def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, caplog):
     write_parts(tmp_path / "corpus")
     with caplog.at_level(logging.WARNING):
@@ -110,6 +114,7 @@ def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, 
     assert "\n" in some.vocab.chars  # the separator is a character of the vocabulary
 
 
+@pytest.mark.s3
 def test_directory_and_glob_on_s3(seaweedfs, tmp_path):
     bucket = f"corpus-{uuid.uuid4().hex[:10]}"
     seaweedfs.make_bucket(bucket)
@@ -132,6 +137,7 @@ def test_directory_and_glob_on_s3(seaweedfs, tmp_path):
 
 
 # ---- the cache -------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_corpus, monkeypatch):
     (tmp_path / "text.txt").write_bytes(small_corpus.read_bytes())
     cache = tmp_path / "cache"
@@ -150,7 +156,8 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     corpus, with_vocab = load(tmp_path / "text.txt", cache, vocab=wider)
     assert with_vocab.name != first.name and corpus.vocab.chars == wider
     files = os.listdir(cache / "tokens")
-    assert sorted(n for n in files if not n.endswith(".json")) == sorted([first.name, with_vocab.name])
+    # (the encode-once lock file stays: every waiter must lock the same file)
+    assert sorted(n for n in files if not n.endswith((".json", ".lock"))) == sorted([first.name, with_vocab.name])
     assert len([n for n in files if n.endswith(".json")]) == 1  # one index entry: the text was read once
     with open(tmp_path / "text.txt", "a") as f:
         f.write("more text")
@@ -167,6 +174,7 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     assert first.name not in left and with_vocab.name not in left and third.name in left
 
 
+@pytest.mark.unit
 def test_nodes_with_their_own_copy_of_one_path_share_a_cache_without_deleting_each_others_files(
         tmp_path, small_corpus):
     """Per-node copies of the text at the same path (other modification times) and one
@@ -188,6 +196,7 @@ def test_nodes_with_their_own_copy_of_one_path_share_a_cache_without_deleting_ea
     assert again.encode_s is None and again.name == node_a.name
 
 
+@pytest.mark.unit
 def test_other_text_under_the_same_path_size_and_mtime_is_never_taken_for_the_cached_one(tmp_path):
     """Name, size and modification time do not decide what a file holds (a per-node copy
     made with preserved times, an image built with fixed mtimes): the cache must not hand
@@ -202,6 +211,7 @@ def test_other_text_under_the_same_path_size_and_mtime_is_never_taken_for_the_ca
     assert second.vocab.decode(second.tokens[:8]) == "hgfedcba"
 
 
+@pytest.mark.unit
 def test_a_token_file_that_is_missing_at_open_is_explained_by_what_happened(tmp_path, small_corpus):
     cache = tmp_path / "cache"
     made = token_cache.prepare(str(small_corpus), None, {}, str(cache), 0.0)
@@ -216,6 +226,7 @@ def test_a_token_file_that_is_missing_at_open_is_explained_by_what_happened(tmp_
 
 
 # ---- bad input -------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_bytes_that_are_not_utf8_name_the_file_and_the_offset(tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 1000)
     (tmp_path / "d").mkdir()
@@ -228,6 +239,7 @@ def test_bytes_that_are_not_utf8_name_the_file_and_the_offset(tmp_path, monkeypa
         load(tmp_path / "cut.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_a_directory_or_glob_that_matches_no_file(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ConfigError, match="the directory matches no file"):
@@ -238,6 +250,7 @@ def test_a_directory_or_glob_that_matches_no_file(tmp_path):
         load(tmp_path / "missing.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_empty_files(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("")
@@ -248,18 +261,21 @@ def test_empty_files(tmp_path):
         load(tmp_path / "d" / "a.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_more_distinct_characters_than_uint16_ids_hold(tmp_path):
     (tmp_path / "wide.txt").write_bytes("".join(chr(c) for c in range(0x10000, 0x10000 + 65_537)).encode())
     with pytest.raises(ConfigError, match="has 65,537 distinct characters, more than the 65,536"):
         load(tmp_path / "wide.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_a_cache_directory_that_is_not_writable(tmp_path, small_corpus):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError, match="cannot write the token cache in data.cache_dir=.*a_file"):
         load(small_corpus, tmp_path / "a_file")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("during", ["find_characters", "write_ids"])
 def test_a_source_that_changes_while_being_encoded(tmp_path, monkeypatch, during):
     path = tmp_path / "growing.txt"
@@ -278,6 +294,7 @@ def test_a_source_that_changes_while_being_encoded(tmp_path, monkeypatch, during
     assert not [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(("uint8", "uint16"))]
 
 
+@pytest.mark.cli
 def test_bad_inputs_from_the_command_line_are_one_error_line(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("fine text\n" * 500)
@@ -290,6 +307,7 @@ def test_bad_inputs_from_the_command_line_are_one_error_line(tmp_path):
 
 
 # ---- the batch copy to an accelerator (issue 12, finding 3) ------------------------------------
+@pytest.mark.unit
 def test_batches_reach_the_gpu_as_one_pinned_contiguous_copy_of_the_token_dtype(shakespeare, monkeypatch):
     """With a CUDA device, each micro-batch is gathered as one contiguous (B, T+1) uint8
     block, pinned, copied once non-blocking, and only then widened and shifted."""
@@ -325,6 +343,7 @@ def test_batches_reach_the_gpu_as_one_pinned_contiguous_copy_of_the_token_dtype(
 
 
 # ---- evaluation on big corpora ---------------------------------------------------------------
+@pytest.mark.unit
 def test_periodic_evaluations_are_bounded_and_the_final_one_reads_the_whole_split(shakespeare, tmp_path):
     corpus = todays_corpus(shakespeare.read_bytes())  # 4,000 validation characters: 249 windows of 16
     metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=0)
@@ -339,6 +358,7 @@ def test_periodic_evaluations_are_bounded_and_the_final_one_reads_the_whole_spli
 
 
 # ---- a big corpus under torchrun -------------------------------------------------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_60mb_corpus_trains_under_torchrun_with_bounded_memory(tmp_path, shakespeare):
     """Before token files each process held ~14 bytes per character (0.85 GB for 60 MB on
@@ -379,6 +399,7 @@ def two_nodes(tmp_path, name, data_path, node_env, wrap=lambda node, cmd: cmd):
     return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare(1): each node gets a private mount namespace")
@@ -427,6 +448,7 @@ def test_nodes_may_keep_their_own_copies_of_the_text_and_caches_but_not_other_te
     assert "read another text for data.path=" in "".join(text for _, text in other)
 
 
+@pytest.mark.cli
 def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path, small_corpus):
     wide, narrow = tmp_path / "wide.txt", tmp_path / "narrow.txt"
     wide.write_text(small_corpus.read_text() + "~{}" * 20)
@@ -440,3 +462,80 @@ def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path
     token_files = [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(".uint8")]
     assert len(token_files) == 3  # the wide text, the narrow one with its own and with the snapshot's characters
     assert load_snapshot(tmp_path / "run" / "snapshot.pt")["vocab"] == "".join(sorted(set(wide.read_text())))
+
+
+# ---- review of issue 25: the document path ----------------------------------------------------
+def _jsonl(path, docs, gz=False):
+    import gzip
+    import json
+    data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    (gzip.open if gz else open)(path, "wb").write(data)
+    return str(path)
+
+
+def _prepare_docs(path, cache, kind="char"):
+    pytest.importorskip("pyarrow")
+    return token_cache.prepare(path, None, None, str(cache), 0.0, tokenization=token_cache.Tokenization(kind=kind))
+
+
+@pytest.mark.unit
+def test_json_lines_copies_with_other_text_of_the_same_length_have_other_hashes(tmp_path):
+    """Nodes compare text_sha256: a node's copy with "thy" for "the" must not pass for the same text."""
+    docs = [f"the cat {i} sat on the mat" for i in range(50)]
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a = _prepare_docs(_jsonl(tmp_path / "a" / "c.jsonl", docs), tmp_path / "ca")
+    b = _prepare_docs(_jsonl(tmp_path / "b" / "c.jsonl", [d.replace("the", "thy") for d in docs]), tmp_path / "cb")
+    assert a.length == b.length and a.text_sha256 and b.text_sha256
+    assert a.text_sha256 != b.text_sha256
+    again = _prepare_docs(_jsonl(tmp_path / "b" / "d.jsonl", docs), tmp_path / "cb")
+    assert again.text_sha256 == a.text_sha256  # the same text, another file: the same hash
+
+
+@pytest.mark.unit
+def test_a_char_run_on_one_json_lines_document(tmp_path):
+    made = _prepare_docs(_jsonl(tmp_path / "one.jsonl", ["the quick brown fox " * 20]), tmp_path / "cache")
+    assert made.length == len("the quick brown fox " * 20) and "\n" not in made.chars
+
+
+@pytest.mark.unit
+def test_json_lines_bytes_are_the_texts_not_the_files(tmp_path):
+    docs = ["héllo wörld " * 30 for _ in range(20)]
+    made = _prepare_docs(_jsonl(tmp_path / "c.jsonl.gz", docs, gz=True), tmp_path / "cache")
+    assert made.corpus_bytes == len("\n".join(docs).encode())
+
+
+@pytest.mark.unit
+def test_the_document_path_removes_unused_cache_files(tmp_path):
+    directory = token_cache.tokens_dir(str(tmp_path / "cache"))
+    os.makedirs(directory)
+    old = os.path.join(directory, "old.uint8")
+    open(old, "wb").write(b"x")
+    os.utime(old, (time.time() - 2 * token_cache.UNUSED_FOR_S,) * 2)
+    _prepare_docs(_jsonl(tmp_path / "c.jsonl", ["some text"] * 5), tmp_path / "cache")
+    assert not os.path.exists(old)
+
+
+def _hold_cache_lock(directory, queue):
+    token_cache.LOCK_STALE_S, token_cache.LOCK_HEARTBEAT_S = 1.0, 0.1
+    with token_cache.shared_cache_lock(directory, "corpus"):
+        queue.put(("in", time.time()))
+        time.sleep(0.5)
+        queue.put(("out", time.time()))
+
+
+@pytest.mark.unit
+def test_the_cache_lock_left_by_a_dead_process_is_held_by_one_waiter_at_a_time(tmp_path):
+    import multiprocessing
+    lock = tmp_path / f".{token_cache._digest('corpus')}.lock"
+    lock.write_text("dead pid\n")
+    os.utime(lock, (time.time() - 100,) * 2)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    workers = [context.Process(target=_hold_cache_lock, args=(str(tmp_path), queue)) for _ in range(3)]
+    [w.start() for w in workers]
+    [w.join(60) for w in workers]
+    inside, most = 0, 0
+    for kind, _ in sorted((queue.get() for _ in range(6)), key=lambda e: e[1]):
+        inside += 1 if kind == "in" else -1
+        most = max(most, inside)
+    assert most == 1

@@ -35,6 +35,7 @@ class FailingDirectory:
         self.away.rename(self.path)
 
 
+@pytest.mark.dist
 def test_a_save_retried_longer_than_the_collective_timeout_does_not_time_out_the_other_ranks(tmp_path, small_corpus):
     """Training collectives time out after 12 s; rank 0's last save keeps failing for longer
     (retried, trainer.save_retry_minutes=2) while rank 1 waits for it; then the store heals and
@@ -76,7 +77,11 @@ WAIT_FOREVER = textwrap.dedent("""
         return "done"
     start = time.monotonic()
     try:
-        print(f"rank {dist.rank}: {distributed.wait_for_main(rank0_work, 'sleeping')} after {time.monotonic() - start:.1f} s", flush=True)
+        if sys.argv[3:] == ["data"]:  # each node's first process encoding its corpus
+            outcome = distributed.on_main_then_share(rank0_work, dist, once_per_node=True)
+        else:
+            outcome = distributed.wait_for_main(rank0_work, 'sleeping')
+        print(f"rank {dist.rank}: {outcome} after {time.monotonic() - start:.1f} s", flush=True)
     except ConfigError as exc:
         print(f"rank {dist.rank}: ConfigError after {time.monotonic() - start:.1f} s: {exc}", flush=True)
         distributed.shutdown(clean=False)
@@ -85,15 +90,17 @@ WAIT_FOREVER = textwrap.dedent("""
 """)
 
 
-def run_wait(tmp_path: Path, wait_minutes: float, work_s: float) -> str:
+def run_wait(tmp_path: Path, wait_minutes: float, work_s: float, *mode: str) -> str:
     script = tmp_path / "wait.py"
     script.write_text(WAIT_FOREVER)
-    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(wait_minutes), str(work_s)],
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(wait_minutes), str(work_s),
+                           *mode],
                           cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
                           capture_output=True, text=True, timeout=120)
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.dist
 def test_waiting_for_rank_0_outlasts_the_collective_timeout_and_is_bounded_by_its_own(tmp_path):
     """distributed.wait_for_main with a 3 s collective timeout: 8 s of rank-0 work are waited
     for; with a 0.1-minute wait for rank 0, 30 s of work end rank 1's wait after 6 s with one
@@ -106,3 +113,13 @@ def test_waiting_for_rank_0_outlasts_the_collective_timeout_and_is_bounded_by_it
     assert "rank 1: ConfigError after" in text and "waited 0.1 minutes for rank 0 sleeping" in text, text
     waited = float(text.split("rank 1: ConfigError after ")[1].split(" s")[0])
     assert 5 <= waited < 20, text
+
+
+@pytest.mark.dist
+def test_a_corpus_encoding_longer_than_the_wait_names_prepare_not_a_hung_node(tmp_path):
+    """The others wait for each node's first process encoding the corpus within the rank-0
+    wait; past it, the one line points to encoding ahead, not to a hung node."""
+    text = run_wait(tmp_path, 0.1, 30, "data")
+    line = next((l for l in text.splitlines() if l.startswith("rank 1: ConfigError after")), "")
+    assert "preparing its data" in line and "python -m mingpt_ddp.prepare" in line, text
+    assert "check that node, then run" not in line, text
