@@ -130,8 +130,9 @@ def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
 
 
 def pass_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int) -> float:
-    """Seconds of one forward and backward pass of `model` (a probe's own copy: its
-    gradients are cleared after) on fixed random tokens, global generators untouched."""
+    """Seconds of one forward and backward pass of `model` (a probe's copy, or the model
+    with its gradients set aside: they are cleared after) on fixed random tokens, global
+    generators untouched."""
     generator = torch.Generator().manual_seed(0)
     vocab = model.cfg.vocab_size
     x = torch.randint(vocab, (batch_size, block_size), generator=generator)
@@ -146,33 +147,46 @@ def pass_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size:
     return seconds
 
 
-MATMUL_PROBE_FLOPS = 5e7  # the pre-probe's matmul: about a millisecond in fp32, tens where bf16 is emulated
-MATMUL_LOSING = 3.0  # bf16 matmuls this much slower than fp32: no bf16 pass is run at all
+MATMUL_PROBE_FLOPS = 3e8  # the pre-probe's fp32 matmul: a few ms of one core; bf16 emulated: 3-40x (30x on real AVX2)
+MATMUL_ROWS = (64, 1024)  # its rows: fewer hide emulated bf16 (2-3x at 16 rows of 768-1024 dims) and, on narrow
+# layers, bf16's gain (a 64 x 48 @ 48 x 192 one read bf16 2x slower where gpt-nano's passes are 1.2x faster in bf16)
+MATMUL_LOSING = 2.0  # bf16 matmuls this much slower than fp32: no bf16 pass is run at all
 WARMUP_LOSING = 3.0  # a first (warm-up) bf16 pass this much slower than fp32's first ends the probe
 LOSING = 1.5  # a timed bf16 pass this much slower than fp32's ends the probe
 PASS_SECONDS = 0.2  # the fp32 probe pass aimed for (fewer sequences than the batch on costly models)
-DECISION_SECONDS = 1.6  # model passes stop once this much time went into them
+DECISION_SECONDS = 2.0  # the whole decision's deadline: no step starts that is not expected to end before it
+SAFETY = 2.0  # a step starts only if twice its expected seconds fit before the deadline
 ROUNDS = 3  # fp32 and bf16 passes alternated: a warm-up round, then the best of two
+
+_clock = time.perf_counter  # the decision's clock (a fake one in tests)
 
 
 def bf16_matmul_slowdown(n_embd: int, rows: int) -> float:
-    """bf16's seconds over fp32's for the model's MLP matmul, (rows x d)
-    @ (d x 4d) with a few rows, best of a few calls: tens of milliseconds at most, even
-    where bf16 is emulated in software (30x slower than fp32 on AVX2-only CPUs)."""
-    rows = int(max(16, min(rows, MATMUL_PROBE_FLOPS // (8 * n_embd * n_embd))))
+    """bf16's seconds over fp32's on the model's MLP matmul, (rows x d) @ (d x 4d) with the
+    micro-batch's rows, 64-1024 of them (MATMUL_PROBE_FLOPS at most above 64), on one thread and timed in that thread's CPU time, so that others' load
+    on the cores does not blur it: under 0.1 s even where bf16 is emulated in software
+    (3-8x slower than fp32 under the AVX2 emulation, 30x on real AVX2-only CPUs; 0.4-0.6x with
+    AVX512-BF16, measured at 128-1024 dims)."""
+    low, high = MATMUL_ROWS
+    rows = int(max(1, min(rows, high, max(low, MATMUL_PROBE_FLOPS // (8 * n_embd * n_embd)))))
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(rows, n_embd, generator=generator)
     b = torch.randn(4 * n_embd, n_embd, generator=generator)
-    best = {}
-    for dtype, calls in ((torch.float32, 5), (torch.bfloat16, 3)):
-        x, w = a.to(dtype), b.to(dtype)
-        torch.nn.functional.linear(x, w)  # the first call initialises the kernels
-        times = []
-        while len(times) < calls and sum(times) < 0.1:
-            started = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - started)
-        best[dtype] = max(min(times), 1e-7)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best = {}
+        for dtype, calls in ((torch.float32, 5), (torch.bfloat16, 3)):
+            x, w = a.to(dtype), b.to(dtype)
+            torch.nn.functional.linear(x, w)  # the first call initialises the kernels
+            times: list[float] = []
+            while len(times) < calls and sum(times) < 0.05:
+                started = time.thread_time()
+                torch.nn.functional.linear(x, w)
+                times.append(time.thread_time() - started)
+            best[dtype] = max(min(times), 1e-7)
+    finally:
+        torch.set_num_threads(threads)
     return best[torch.bfloat16] / best[torch.float32]
 
 
@@ -189,30 +203,53 @@ def probe_shape(model: torch.nn.Module, batch_size: int, block_size: int, second
     return sequences, tokens
 
 
+def one_block_pass_seconds(model: torch.nn.Module, tokens: int) -> float:
+    """An fp32 forward and backward pass of one sequence of `tokens` through the model's
+    first block, timed, scaled by parameters to the whole model: what a whole pass of that
+    sequence is expected to take. On small sequences a pass's time goes mostly with the
+    parameters (read, gradients written), on long ones with FLOPs, which also go with them."""
+    block = model.blocks[0]
+    x = torch.randn(1, tokens, model.cfg.n_embd, generator=torch.Generator().manual_seed(0))
+    with torch.random.fork_rng(devices=[]):
+        started = time.perf_counter()
+        block(x).sum().backward()
+        seconds = time.perf_counter() - started
+    block.zero_grad(set_to_none=True)
+    whole, one = (sum(p.numel() for p in m.parameters()) for m in (model, block))
+    return seconds * whole / one
+
+
 def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int,
                         cache_file: Optional[str] = None,
                         measure: Callable[[torch.nn.Module, str, int, int], float] = pass_seconds,
-                        matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown) -> str:
-    """fp32 or bf16, whichever trains this model faster on this CPU, decided in about two
-    seconds at most on any CPU, once per CPU, torch version, thread count and model shape.
+                        matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown,
+                        calibrate: Callable[[torch.nn.Module, int], float] = one_block_pass_seconds) -> str:
+    """fp32 or bf16, whichever trains this model faster on this CPU, decided within
+    DECISION_SECONDS (2 s) of starting on any CPU and model, once per CPU, torch version,
+    thread count and model shape.
 
     bf16 autocast is several times faster than fp32 with AMX, about 2x with AVX512-BF16 on
     wide layers, slower than fp32 on small ones, and emulated in software, 30x slower per
     matmul, on CPUs without bf16 instructions (AVX2 only: most AMD Zen 2/3 and laptops). No
     flag tells which, so it is timed, in steps that each stop as soon as bf16 is clearly out:
 
-    1. The model's MLP matmul with a few rows in fp32 and bf16 (milliseconds): bf16
-       MATMUL_LOSING times slower means no bf16 instructions, and fp32 without a model pass.
-    2. Forward and backward passes of a copy of the model: one fp32 pass of one short
-       sequence to size the others, then fp32 and bf16 alternated (others' load on the
-       cores drifts over seconds): a warm-up round, then up to two timed ones.
-       bf16 is dropped at its first pass LOSING (warm-up: WARMUP_LOSING) times slower than
-       fp32's in the same round, and no pass starts that would run past DECISION_SECONDS
-       (cut short before a timed round, the matmuls decide and nothing is cached).
-       The passes use the real micro-batch, or less where an fp32 pass would take over
-       PASS_SECONDS (probe_shape). bf16 must be at least 5% faster to be chosen.
+    1. The model's MLP matmul in fp32 and bf16 on one core (milliseconds, see bf16_matmul_slowdown):
+       bf16 MATMUL_LOSING times slower means no bf16 instructions, and fp32 without a model pass.
+    2. Forward and backward passes of the model (its gradients and mode restored after): one
+       short sequence through one block in fp32 (one_block_pass_seconds: a fraction of a whole
+       pass, however large the model) to size the others, then fp32 and bf16 alternated
+       (others' load on the cores drifts over seconds): a warm-up round, then up to two timed
+       ones. bf16 is dropped at its first pass LOSING (warm-up: WARMUP_LOSING, unless its
+       matmuls were faster) times slower than fp32's in the same round. The passes use the real micro-batch, or less where an
+       fp32 pass would take over PASS_SECONDS (probe_shape). bf16 must be 5% faster to win.
 
-    `measure` (one pass's seconds) and `matmul_probe` are the timers, replaceable in tests.
+    One deadline bounds it all: no pass starts unless SAFETY times its expected seconds (the
+    first from the block's, then the last pass of its precision, bf16's first from fp32's
+    times the matmul slowdown) end before DECISION_SECONDS. So it ends within 3 s unless a
+    pass runs three times slower than expected (or one block's pass takes a second). Cut short before a timed round,
+    the passes so far (or the matmuls alone) decide, and nothing is cached.
+
+    `measure` (one pass's seconds), `matmul_probe` and `calibrate` are the timers, replaceable in tests.
     The answer is cached under everything that decides it (cpu_facts, the model's shape).
     """
     facts = cpu_facts()
@@ -224,24 +261,24 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
         log.info("precision auto: %s (cached for this CPU, torch, thread count and model: %s; %s)",
                  entry["choice"], entry.get("why", ""), path)
         return entry["choice"]
-    started = time.perf_counter()
+    started = _clock()
+    deadline = started + DECISION_SECONDS
     slowdown = matmul_probe(model.cfg.n_embd, batch_size * block_size)
     times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    complete, sequences, tokens = True, 0, 0
+    complete, shape = True, [0, 0]
     if slowdown >= MATMUL_LOSING:
         choice = "fp32"
-        why = f"bf16 matmuls {slowdown:.0f}x slower than fp32 at this width (no fast bf16 instructions); no pass run"
+        why = f"bf16 matmuls {slowdown:.1f}x slower than fp32 at this width (no fast bf16 instructions, or layers too narrow to gain); no pass run"
     else:
-        probe = probe_copy(model)
-        tokens = min(block_size, 64)  # one short sequence: how fast fp32 passes go, to size the others
-        calibration = measure(probe, "fp32", 1, tokens)
-        sequences, tokens = probe_shape(model, batch_size, block_size,
-                                        calibration / (model.flops_per_token(tokens) * tokens))
-        choice, why, complete = _timed_passes(probe, sequences, tokens, slowdown, measure, times,
-                                              DECISION_SECONDS - calibration)
+        # The model itself where it has weights (a copy of a large one costs much of the deadline);
+        # one built on the meta device (FSDP) is filled in on a copy first.
+        probe = probe_copy(model) if any(p.is_meta for p in model.parameters()) else model
+        with _own_gradients(probe):
+            choice, why, complete = _timed_passes(probe, batch_size, block_size, slowdown, measure, calibrate,
+                                                  times, shape, deadline)
     entry = {"choice": choice, "why": why, "fp32_ms": [round(1e3 * t, 1) for t in times["fp32"]],
              "bf16_ms": [round(1e3 * t, 1) for t in times["bf16"]], "bf16_matmul_slowdown": round(slowdown, 2),
-             "probe": [sequences, tokens], "decided_in_s": round(time.perf_counter() - started, 2), **facts}
+             "probe": shape, "decided_in_s": round(_clock() - started, 2), **facts}
     if complete:
         cache[key] = entry
         _write_json(path, cache)
@@ -250,29 +287,63 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
     return choice
 
 
-def _timed_passes(probe: torch.nn.Module, batch: int, block: int, slowdown: float,
+@contextlib.contextmanager
+def _own_gradients(model: torch.nn.Module):
+    """The probe's passes run on the model itself (a copy of a large one costs a good part
+    of the time limit): its gradients and train/eval mode are put back after."""
+    params = list(model.parameters())
+    grads, training = [p.grad for p in params], model.training
+    for p in params:
+        p.grad = None
+    model.train()
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+        model.train(training)
+
+
+def _timed_passes(model: torch.nn.Module, batch_size: int, block_size: int, slowdown: float,
                   measure: Callable[[torch.nn.Module, str, int, int], float],
-                  times: dict[str, list[float]], budget: float) -> tuple[str, str, bool]:
+                  calibrate: Callable[[torch.nn.Module, int], float],
+                  times: dict[str, list[float]], shape: list[int], deadline: float) -> tuple[str, str, bool]:
     """Step 2 of measured_cpu_choice: (choice, why, complete), the passes' seconds added to
-    `times`. Not complete: stopped by the time limit (`budget` s) before a timed round of both."""
-    spent = 0.0
+    `times`, the probe's (sequences, tokens) put in `shape`. Not complete: stopped by the
+    deadline before a timed round of both."""
+    def fits(seconds: float) -> bool:
+        return SAFETY * seconds <= deadline - _clock()
+
+    tokens = min(block_size, 64)  # one short sequence: how fast fp32 passes go, to size the others
+    seconds_per_flop = calibrate(model, tokens) / (model.flops_per_token(tokens) * tokens)
+    shape[:] = probe_shape(model, batch_size, block_size, seconds_per_flop)
+    sequences, tokens = shape
+    first = seconds_per_flop * model.flops_per_token(tokens) * tokens * sequences  # the first fp32 pass, expected
     for round_ in range(ROUNDS):
         for name in ("fp32", "bf16"):
-            expected = times[name][-1] if times[name] else times["fp32"][-1] * slowdown if times["fp32"] else 0.0
-            if spent + expected > budget:
+            fp32 = times["fp32"][-1] if times["fp32"] else first
+            expected = times[name][-1] if times[name] else fp32 * max(slowdown, 0.5)
+            if not fits(expected):
                 if not times["bf16"]:  # the machine is slow or busy: the matmul probe decides
-                    choice = "bf16" if slowdown < 0.75 else "fp32"
-                    return choice, (f"fp32 passes too slow for a {budget:.1f} s probe (a busy or slow machine): by "
-                                    f"the matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed"), False
-                return (*_faster(times, f"stopped at the {DECISION_SECONDS:g} s limit"), round_ > 1)
-            seconds = measure(probe, name, batch, block)
+                    return _by_matmuls(slowdown, f"{sequences} sequences of {tokens} tokens")
+                return (*_faster(times, f"stopped at the {DECISION_SECONDS:g} s deadline"), round_ > 1)
+            seconds = measure(model, name, sequences, tokens)
             times[name].append(seconds)
-            spent += seconds
-            limit = WARMUP_LOSING if round_ == 0 else LOSING
-            if name == "bf16" and seconds > limit * times["fp32"][-1]:
+            # A slow bf16 warm-up where its matmuls are faster is its kernels' set-up (up to a second
+            # on a busy machine): the timed rounds decide. Where they are not, it ends the probe.
+            warmup = round_ == 0
+            if name == "bf16" and seconds > (WARMUP_LOSING if warmup else LOSING) * times["fp32"][-1] \
+                    and not (warmup and slowdown < 1.0):
                 return "fp32", (f"a bf16 pass took {seconds / times['fp32'][-1]:.1f}x fp32's "
                                 f"({1e3 * seconds:.0f} ms against {1e3 * times['fp32'][-1]:.0f} ms); probe stopped"), True
-    return (*_faster(times, f"{batch} sequences of {block} tokens"), True)
+    return (*_faster(times, f"{sequences} sequences of {tokens} tokens"), True)
+
+
+def _by_matmuls(slowdown: float, what: str) -> tuple[str, str, bool]:
+    """The deadline left no room for model passes (a slow or busy machine, a large model)."""
+    choice = "bf16" if slowdown < 0.75 else "fp32"
+    return choice, (f"{what} too slow for the {DECISION_SECONDS:g} s limit (a busy or slow machine): by the "
+                    f"matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed"), False
 
 
 def _faster(times: dict[str, list[float]], note: str) -> tuple[str, str]:
