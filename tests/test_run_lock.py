@@ -484,3 +484,59 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
     assert error and "lost the run lock" in error, error
     first.release()
     second.release()
+
+
+def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreements(tmp_path, small_corpus, no_job):
+    """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every epoch: the
+    lock is taken from the run after its first snapshot; its next save (an epoch's) stops it
+    on every rank with one error line, and no snapshot is written after the loss."""
+    script = tmp_path / "loser.py"
+    script.write_text(LOSER.format(main=MAIN))
+    run_dir = tmp_path / "run"
+    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}",
+           "trainer.max_epochs=200", "trainer.log_every=100000", "trainer.stop_check_seconds=100000",
+           "trainer.save_every=1", "trainer.keep_last=1000"]
+    with open(tmp_path / "loser.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    try:
+        wait_for(lambda: (run_dir / "snapshot.pt").exists(), 120, "a first snapshot")
+        os.unlink(run_dir / ".snapshot.lock")
+        thief = new_lock(run_dir / "snapshot.pt")
+        thief.acquire()
+        saved = {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")}
+        rc = proc.wait(timeout=60)
+        text = (tmp_path / "loser.log").read_text()
+        assert rc == 2, text
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and "lost the run lock" in errors[0], text
+        assert "Traceback" not in text, text
+        assert {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")} == saved
+        assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
+        thief.release()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_job):
+    """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
+    learns it from rank 0's commit step) and no step directory is committed."""
+    import torch
+    from mingpt_ddp.parallel import ShardedSaver
+    from mingpt_ddp.sharded_snapshot import MARKER, ShardedSnapshotStore
+
+    url = str(tmp_path / "snapshot.pt")
+    first = new_lock(url, heartbeat_s=0.1)
+    first.acquire()
+    saver = ShardedSaver(ShardedSnapshotStore(url), run_lock=first)
+    os.unlink(tmp_path / ".snapshot.lock")
+    second = new_lock(url)
+    second.acquire()
+    wait_for(lambda: first.lost, 10, "the holder to notice")
+    saver.submit({"model": {"w": torch.ones(2)}, "optimizer": {}, "train_state": {"step": 3}}, 3)
+    error = saver.wait()
+    assert error and "lost the run lock" in error, error
+    assert not list(tmp_path.glob(f"snapshot.pt.dcp/*/{MARKER}")), list(tmp_path.rglob("*"))
+    first.release()
+    second.release()
