@@ -25,10 +25,12 @@ with host networking share a host name, not a PID namespace) or when its heartbe
 taking over one stale lease exactly one wins. A holder that cannot renew its lease for
 ``STALE_AFTER_S`` counts it as lost.
 
-Either way a later launch of the same job takes over at once from the earlier one, which
-its launcher ended first: a Slurm requeue (a higher ``SLURM_RESTART_COUNT``), torchrun
-restarting its workers (a higher ``TORCHELASTIC_RESTART_COUNT``). Two live steps of one
-allocation (the same ``SLURM_JOB_ID``) are two runs.
+Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
+earlier launch, which Slurm ended first. torchrun restarting its workers (a higher
+``TORCHELASTIC_RESTART_COUNT``) on the same machine takes over from the dead pid; on another
+machine, once the earlier restart's lease has missed two heartbeats: a second torchrun with
+the same ``--rdzv_id`` counts restarts too, and its refused first try must not make the
+second a takeover. Two live steps of one allocation (the same ``SLURM_JOB_ID``) are two runs.
 
 A run that loses its lock (the file removed or replaced under it, the lease taken over or
 expired) sees it at its next heartbeat: ``lost`` says why, and the trainer stops every rank
@@ -123,12 +125,15 @@ def ended_by_restart(theirs: Any, mine: dict[str, Any]) -> Optional[str]:
     if mine["slurm_job"]:
         if theirs.get("slurm_restart", 0) < mine["slurm_restart"]:
             return f"Slurm requeued job {mine['slurm_job']} (restart {mine['slurm_restart']})"
-        if theirs.get("slurm_restart", 0) != mine["slurm_restart"] or theirs.get("slurm_step") != mine["slurm_step"]:
-            return None
-    if mine["torchrun"] and theirs.get("torchrun") == mine["torchrun"] \
-            and theirs.get("torchrun_restart", 0) < mine["torchrun_restart"]:
-        return f"torchrun restarted its workers (restart {mine['torchrun_restart']})"
     return None
+
+
+def restarted_by_torchrun(theirs: Any, mine: dict[str, Any]) -> bool:
+    """Whether the owner is an earlier restart of this torchrun run. Not proof that it
+    ended: a second torchrun with the same --rdzv_id on another node counts restarts too
+    (its own, after a refusal), so the owner must also have stopped its heartbeat."""
+    return (isinstance(theirs, dict) and mine["torchrun"] is not None and theirs.get("torchrun") == mine["torchrun"]
+            and theirs.get("torchrun_restart", 0) < mine["torchrun_restart"])
 
 
 def _read_text(path: str) -> Optional[str]:
@@ -581,6 +586,16 @@ class RunLock:
         os.fsync(self._fd)
         self._written = len(padded)
 
+    def _stopped_beating(self, owner: dict[str, Any], raw: bytes) -> Any:
+        """An earlier torchrun restart's lease on another machine (where its pid cannot be
+        looked up): watch it for two heartbeats; the version to take over if it did not
+        change (torchrun ended it before this restart), else None (a live run)."""
+        if not restarted_by_torchrun(owner.get("instance"), job_instance()):
+            return None
+        time.sleep(2 * self.heartbeat_s + 1)
+        again, version = self._lease.read()
+        return version if again == raw else None
+
     def _owner_of_file(self) -> dict[str, Any]:
         """The kernel lock holder's record, for a message (it may be writing it right now)."""
         for _ in range(10):
@@ -605,7 +620,11 @@ class RunLock:
                         continue
                     log.warning("run lock %s is unreadable; replacing it", self.where)
                 elif self.why_not_stale(owner) is not None:
-                    raise ConfigError(self._refusal(owner, kernel=False))
+                    version = self._stopped_beating(owner, raw)
+                    if version is None:
+                        raise ConfigError(self._refusal(owner, kernel=False))
+                    log.warning("run lock %s: its owner, an earlier restart of this torchrun run (%s), stopped its "
+                                "heartbeat; taking it over", self.where, describe_owner(owner))
                 else:
                     log.warning("run lock %s was left by a run that is gone (%s: %s); taking it over", self.where,
                                 describe_owner(owner), self._why_gone(owner))

@@ -540,3 +540,45 @@ def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_jo
     assert not list(tmp_path.glob(f"snapshot.pt.dcp/*/{MARKER}")), list(tmp_path.rglob("*"))
     first.release()
     second.release()
+
+
+def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stopped_beating(tmp_path, no_job):
+    """A second torchrun with the same --rdzv_id on another node, refused at restart 0 and
+    restarted by its agent (restart 1), must not take the lease of the live first run
+    (restart 0, heartbeat going on); once that owner stops beating, a restart takes over
+    within a few heartbeats, not STALE_AFTER_S."""
+    import threading
+
+    from mingpt_ddp import run_lock
+    from mingpt_ddp.errors import ConfigError
+
+    no_job.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # NFS local_lock, Lustre localflock
+    url = tmp_path / "snapshot.pt"
+    first = {"job": "torchrun run exp1", "instance": {"slurm_job": None, "slurm_restart": 0, "slurm_step": None,
+                                                       "torchrun": "exp1", "torchrun_restart": 0}}
+    beating = threading.Event()
+    beating.set()
+
+    def beat():  # the live owner, on another node: rewrites its record as its heartbeat does
+        while beating.is_set():
+            write_owner(url, **first)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: (tmp_path / ".snapshot.lock").exists(), 5, "the owner's record")
+        no_job.setenv("TORCHELASTIC_RUN_ID", "exp1")
+        no_job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        with pytest.raises(ConfigError, match="another run is live on these snapshots"):
+            new_lock(url, heartbeat_s=0.5).acquire()
+        assert read_owner(url)["token"] == "other"
+    finally:
+        beating.clear()
+        thread.join()
+    began = time.monotonic()
+    lock = new_lock(url, heartbeat_s=0.5)
+    lock.acquire()  # the owner stopped beating: torchrun ended it before this restart
+    assert time.monotonic() - began < 10
+    assert read_owner(url)["token"] == lock.token
+    lock.release()
