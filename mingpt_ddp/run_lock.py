@@ -262,9 +262,9 @@ if hasattr(os, "register_at_fork"):
 # shows that someone else got there first.
 class _FileLease:
     """A lease file: created whole by a hard link (which fails if the name exists; O_EXCL
-    where there are no hard links), renewed
-    with os.replace after checking it is still ours, taken over by renaming the file aside
-    and keeping it aside only if it is the very record that was judged (else it goes back).
+    where there are no hard links), renewed and taken over by renaming the file aside and
+    keeping it aside only if it is the very record last written or judged (else it goes
+    back), then creating the new record.
     A version is the record's bytes (its token and heartbeat make it unique): an inode
     number would be reused by the next file created."""
 
@@ -314,17 +314,6 @@ class _FileLease:
             os.fsync(f.fileno())
         return blob
 
-    def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
-        tmp = self._whole_file(blob)
-        try:
-            if self.read()[0] != version:
-                return None
-            os.replace(tmp, self.path)
-            return blob
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
     def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
         aside = f"{self.path}.{uuid.uuid4().hex[:8]}.stale"
         try:
@@ -341,6 +330,11 @@ class _FileLease:
             if os.path.lexists(aside):
                 os.unlink(aside)
         return self.create(blob)
+
+    # Renewing is the same compare-and-swap: a read, compare, then replace would overwrite a
+    # takeover made between the compare and the replace. (A run starting in the instant the
+    # name is aside takes the lease; this one then finds it lost: never two holders.)
+    renew = take_over
 
     def _put_back(self, aside: str) -> None:
         try:

@@ -582,3 +582,31 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
     assert time.monotonic() - began < 10
     assert read_owner(url)["token"] == lock.token
     lock.release()
+
+
+def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
+    """Another run takes the lease over while its holder renews (right after the holder
+    looked at it): the renewal fails and the taker's record stays."""
+    from mingpt_ddp.run_lock import _FileLease
+
+    path = str(tmp_path / ".snapshot.lock")
+    holder = _FileLease(path)
+    version = holder.create(b'{"token": "A", "heartbeat": 1}')
+    real_read = _FileLease.read
+    taken = []
+
+    def read_then_taken(self):
+        seen = real_read(self)
+        if not taken:  # another run judged it stale and takes it over now
+            taken.append(_FileLease(path).take_over(b'{"token": "B", "heartbeat": 2}', seen[1]))
+        return seen
+
+    monkeypatch.setattr(_FileLease, "read", read_then_taken)
+    renewed = holder.renew(b'{"token": "A", "heartbeat": 3}', version)
+    with open(path, "rb") as f:
+        now = f.read()
+    if taken and taken[0] is not None:
+        assert renewed is None and now == b'{"token": "B", "heartbeat": 2}', now
+    else:  # the takeover lost the race: the holder renewed
+        assert renewed is not None and now == b'{"token": "A", "heartbeat": 3}', now
+    assert len(list(tmp_path.iterdir())) == 1, list(tmp_path.iterdir())  # nothing left aside
