@@ -23,7 +23,7 @@ with host networking share a host name, not a PID namespace) or when its heartbe
 ``STALE_AFTER_S`` old. Taking over compares and swaps what was judged (S3: a PUT with
 ``If-Match`` on the ETag read; files: renaming that very inode aside), so of two runs
 taking over one stale lease exactly one wins. A holder that cannot renew its lease for
-``STALE_AFTER_S`` counts it as lost.
+``STALE_AFTER_S`` less two heartbeats counts it as lost (before another run may take it).
 
 Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
 earlier launch, which Slurm ended first. torchrun restarting its workers (a higher
@@ -641,11 +641,14 @@ class RunLock:
     # ---- keeping it --------------------------------------------------------------------------
     def _beat(self) -> None:
         renewed = time.monotonic()
+        # Counted lost two heartbeats before another run may judge it stale: this run stops
+        # saving before anyone else can start.
+        lost_after = max(self.heartbeat_s, self.stale_after_s - 2 * self.heartbeat_s)
         while not self._stop.wait(self.heartbeat_s):
             try:
                 why = self._renew()
             except Exception as exc:  # a missed heartbeat is not fatal; many in a row let the lease expire
-                if self._fd is not None or time.monotonic() - renewed <= self.stale_after_s:
+                if self._fd is not None or time.monotonic() - renewed < lost_after:
                     log.warning("run lock %s: heartbeat failed (%s)", self.where, storage.describe(exc))
                     continue
                 why = (f"its lease could not be renewed for {time.monotonic() - renewed:.0f}s "

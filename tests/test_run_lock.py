@@ -610,3 +610,29 @@ def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_pat
     else:  # the takeover lost the race: the holder renewed
         assert renewed is not None and now == b'{"token": "A", "heartbeat": 3}', now
     assert len(list(tmp_path.iterdir())) == 1, list(tmp_path.iterdir())  # nothing left aside
+
+
+def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(tmp_path, monkeypatch, no_job):
+    """Renewals failing (S3 unreachable): the holder counts its lease lost while its last
+    heartbeat is still younger than stale_after_s, before any other run may judge it stale."""
+    from mingpt_ddp import run_lock
+
+    monkeypatch.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # a lease
+    lock = new_lock(tmp_path / "snapshot.pt", heartbeat_s=0.3, stale_after_s=3.0)
+    lock.acquire()
+    renewals = []
+    real_renew = lock._lease.renew
+
+    def renew_then_fail(blob, version):
+        if len(renewals) < 2:
+            renewals.append(time.monotonic())
+            return real_renew(blob, version)
+        raise OSError(errno.EIO, "the store is unreachable")
+
+    lock._lease.renew = renew_then_fail
+    wait_for(lambda: lock.lost, 10, "the lease to count as lost")
+    lost_at = time.monotonic()
+    heartbeat = read_owner(tmp_path / "snapshot.pt")["heartbeat"]
+    assert lost_at - renewals[-1] < 3.0 and time.time() - heartbeat < 3.0, (lost_at - renewals[-1], lock.lost)
+    assert "could not be renewed" in lock.lost, lock.lost
+    lock.release()
