@@ -12,7 +12,7 @@
 #   3 comm         bench comm over NPROC processes (NCCL; nothing to move with one GPU)
 #   4 ddp_compiled bench train model=gpt2 data.block_size=1024 model.dropout=0 trainer.compile=true
 #   5 ddp_eager    the same with trainer.compile=false
-#   6 fsdp         the same with trainer.strategy=fsdp (compile as the trainer decides)
+#   6 fsdp         the same with trainer.strategy=fsdp trainer.compile=false (eager)
 #   7 fsdp_compiled the same with trainer.strategy=fsdp trainer.compile=true
 #   8 run          a real main.py run: wall_tokens_per_s (evaluations and saves included)
 #                  against tokens_per_s (steps only) from its metrics.jsonl
@@ -121,7 +121,7 @@ bench_train() {  # NAME OVERRIDES...
 }
 bench_train ddp_compiled trainer.compile=true
 bench_train ddp_eager trainer.compile=false
-bench_train fsdp trainer.strategy=fsdp
+bench_train fsdp trainer.strategy=fsdp trainer.compile=false
 bench_train fsdp_compiled trainer.strategy=fsdp trainer.compile=true
 
 run_args=("${model[@]}" "${data[@]}" "trainer.max_steps=$run_steps" "trainer.log_every=$log_every"

@@ -116,16 +116,16 @@ def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
 
-    from mingpt_ddp import storage
+    from mingpt_ddp import parallel, storage
     from mingpt_ddp.main import load_corpus
-    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
     corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
     model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
     metadata = {"vocab": getattr(corpus.vocab, "chars", ""), "tokenizer": tok.to_dict(),
                 "model_config": dict(vars(model_cfg)),
@@ -389,7 +389,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "block_size": trainer.block_size,
         "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
-        "compile": trainer.forward_model is not trainer.model, "log_every": cfg.trainer.log_every,
+        "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
@@ -1079,8 +1079,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if dist.is_main:
         report(mode, result)
         write_json(options["out"], mode, result)
-    distributed.barrier()  # no rank leaves (and closes its connections) while another still reports
-    distributed.teardown()
+    # No rank leaves (and closes its connections) while another still reports; then the
+    # group is destroyed while Python is whole, as main.py does: left to interpreter exit,
+    # gloo can abort a finished run (see distributed.shutdown).
+    distributed.shutdown(clean=True)
     return 0
 
 

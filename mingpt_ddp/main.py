@@ -55,7 +55,7 @@ from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import MetricsLog
-from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.run_lock import RunLock
 from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.sweep import RESULT_FILE, write_result
@@ -281,7 +281,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
 
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-    model = GPT(model_cfg)
+    model = parallel.build_model(cfg.trainer, model_cfg)  # under FSDP: on the meta device, shards filled in later
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
 
     metadata = {

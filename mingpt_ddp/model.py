@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -99,6 +99,10 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        # One draw from the global generator, on the CPU also when built on the meta device,
+        # before anything else draws: the seed of every initial value, wherever and whenever
+        # they are filled in (init_weights).
+        self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -106,20 +110,34 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
-        self.apply(self._init_weights)
-        # GPT-2: scale residual projections by 1/sqrt(2 * n_layer) so depth does not grow the stream.
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if not self.wte.weight.is_meta:
+            self.init_weights()
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    @torch.no_grad()
+    def init_weights(self, fill: Optional[Callable[[torch.Tensor, torch.Tensor], object]] = None) -> None:
+        """GPT-2's initialisation: weights normal(0, 0.02), residual projections 0.02/sqrt(2 *
+        n_layer) so depth does not grow the stream, zero biases, unit LayerNorms.
+
+        Each parameter is drawn whole on the CPU, in a fixed order, from a generator seeded by
+        `init_seed`: a model built on the meta device and sharded first (FSDP) gets the same
+        values as one built whole. `fill(parameter, value)` writes one (default: copy_).
+        """
+        self.lm_head.weight = self.wte.weight  # still tied (Module.to_empty from the meta device unties them)
+        generator = torch.Generator().manual_seed(self.init_seed)
+        modules = dict(self.named_modules())
+        for name, p in self.named_parameters():  # the tied head once, as wte.weight
+            value = torch.empty(p.shape, device="cpu")
+            if isinstance(modules[name.rpartition(".")[0]], nn.LayerNorm):
+                value.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):
+                value.zero_()
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+                value.normal_(0.0, std, generator=generator)
+            if fill is None:
+                p.copy_(value)
+            else:
+                fill(p, value)
 
     def forward(
         self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None

@@ -7,13 +7,18 @@ strategy itself.
 
 * ``ddp``: every rank holds the whole model, its gradients and AdamW's state (16 bytes per
   parameter in fp32); gradients are all-reduced. Snapshots are one file written by rank 0.
+  Compiled (``trainer.compile``) as one model.
 * ``fsdp``: FSDP2 (``fully_shard``): each transformer block is its own unit, then the root
   (embeddings, final LayerNorm, the tied head). Parameters, gradients and optimizer state
   are sharded over the ranks (about 16/N bytes per parameter); a block's parameters are
-  all-gathered just for its forward and backward. Snapshots are sharded
+  all-gathered just for its forward and backward. The model is built on the meta device and
+  each rank fills in only its shards. Compiled block by block. Snapshots are sharded
   (sharded_snapshot.py): every rank writes its shard. With one process the mesh has one
   rank: nothing is sharded, but the snapshots have the same layout, so a run can change
   its world size (DCP reshards) in either direction.
+
+Evaluation runs `eval_model`: under compile a graph of its own for eval mode and no_grad,
+compiled at the first evaluation and reused by every later one.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch.distributed as torch_dist
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.model import GPT
+from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.precision import PrecisionPlan
 
 STRATEGIES = ("ddp", "fsdp")
@@ -37,6 +42,17 @@ STRATEGIES = ("ddp", "fsdp")
 def strategy_name(cfg: TrainerConfig) -> str:
     value = cfg.strategy
     return getattr(value, "value", value)
+
+
+def build_model(cfg: TrainerConfig, model_cfg: GPTConfig) -> GPT:
+    """The model for the Trainer, from the global generator's state (seed it first). Under
+    FSDP it is built on the meta device, shapes only: each rank fills in its own shards after
+    sharding (the same values as the whole model built on the CPU), so the whole model is
+    never in any one device's memory."""
+    if strategy_name(cfg) == "fsdp":
+        with torch.device("meta"):
+            return GPT(model_cfg)
+    return GPT(model_cfg)
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -55,27 +71,31 @@ class Strategy:
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         self.cfg, self.dist, self.model, self.precision = cfg, dist, model, precision
-        self.compiled = self._use_compile()
-        self.forward_model = torch.compile(model) if self.compiled else model
-        self.train_model = self._wrap()
-
-    def _use_compile(self) -> bool:
-        return self.cfg.compile if self.cfg.compile is not None else self.dist.device.type == "cuda"
+        self.compiled = self.cfg.compile if self.cfg.compile is not None else self.dist.device.type == "cuda"
+        self.train_model = self._wrap()  # the model on its device, wrapped (and compiled) for training
+        self.eval_model = self._eval_model()
 
     def _wrap(self) -> torch.nn.Module:
+        self.model.to(self.dist.device)
+        forward_model = torch.compile(self.model) if self.compiled else self.model
         if not self.dist.is_distributed:
-            return self.forward_model
+            return forward_model
         # Inside DDP's forward, torch.compile splits the graph at DDP's bucket boundaries
         # (DDPOptimizer), so the all-reduces still overlap the backward pass.
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(
-            self.forward_model,
+            forward_model,
             device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None,
             gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
             bucket_cap_mb=self.cfg.ddp_bucket_cap_mb,
             static_graph=self.cfg.ddp_static_graph,
         )
+
+    def _eval_model(self) -> torch.nn.Module:
+        """Compiled apart from training's DDP-wrapped model: eval mode and no_grad get their
+        own graph, compiled at the first evaluation (without DDP's bucket splits)."""
+        return torch.compile(self.model) if self.compiled else self.model
 
     # ---- the step ---------------------------------------------------------------------------
     def no_sync(self, last: bool) -> ContextManager:
@@ -85,10 +105,20 @@ class Strategy:
         return self.train_model.no_sync()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm`; returns the total norm over all parameters (the tied head once)."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        """Clip to `max_norm`; returns the total norm before clipping, over all parameters (the
+        tied head once), the same on every rank. Sharded gradients (FSDP) cost one all-reduce
+        of the shards' norms, whatever placement torch leaves the norm in."""
+        params = list(self.model.parameters())
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
 
     def grad_scaler(self) -> torch.amp.GradScaler:
+        """fp16's loss scaler. Under FSDP each rank sees only its shards for inf/NaN: torch
+        all-reduces the verdict inside unscale_ for DTensor gradients, so every rank skips
+        (or takes) the same steps without a reduction of ours."""
         return self.precision.grad_scaler()
 
     def make_optimizer(self, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -158,9 +188,6 @@ class FSDPStrategy(Strategy):
     collective_forward = True
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
-        if cfg.compile:
-            raise ConfigError("trainer.compile=true does not work with trainer.strategy=fsdp yet: set "
-                              "trainer.compile=false (or null, which leaves it off under fsdp), or use trainer.strategy=ddp")
         smallest = min(p.shape[0] for p in model.parameters())
         if smallest < dist.world_size:
             raise ConfigError(
@@ -170,9 +197,6 @@ class FSDPStrategy(Strategy):
                 "device), or fewer processes"
             )
         super().__init__(cfg, dist, model, precision)
-
-    def _use_compile(self) -> bool:
-        return False  # FSDP2 with torch.compile wants each block compiled on its own: not done yet
 
     def _wrap(self) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -187,24 +211,34 @@ class FSDPStrategy(Strategy):
         policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
         blocks = list(self.model.blocks)
         for i, block in enumerate(blocks):
+            if self.compiled:
+                # Each block compiled on its own, before sharding (torchtitan's order): one
+                # graph serves every block, and FSDP's hooks (all-gather, reduce-scatter) run
+                # outside it, around each block's compiled forward and backward.
+                block.compile(fullgraph=True)
             # Parameters are freed after each block's forward and gathered again for its
             # backward, except the last block's, whose backward comes at once (torchtitan's choice).
             fully_shard(block, mp_policy=policy, reshard_after_forward=i < len(blocks) - 1)
         # The root: embeddings, ln_f, and the head tied to wte; its backward comes first too.
         fully_shard(self.model, mp_policy=policy, reshard_after_forward=False)
+        if self.model.wte.weight.is_meta:  # built by build_model: fill in this rank's shards only
+            self.model.to_empty(device=self.dist.device)
+            self.model.init_weights(fill=_fill_shard)
+        return self.model
+
+    def _eval_model(self) -> torch.nn.Module:
+        """The sharded model itself: its compiled blocks get a graph of their own for eval mode
+        and no_grad at the first evaluation."""
         return self.model
 
     def no_sync(self, last: bool) -> ContextManager:
-        """Non-last micro-steps accumulate unsharded gradients locally, without reduce-scatter."""
+        """Non-last micro-steps accumulate unsharded gradients locally, without reduce-scatter,
+        and keep the blocks' parameters gathered after their backward: the next micro-step's
+        forward needs no all-gather (memory: one unsharded copy of the parameters, in the
+        compute dtype, on top of the unsharded gradients). The last micro-step reshards."""
         self.model.set_requires_gradient_sync(last)
+        self.model.set_reshard_after_backward(last)
         return contextlib.nullcontext()
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        norm = super().clip_grad_norm_(max_norm)  # DTensor gradients: the norm is reduced over the shards
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def grad_scaler(self) -> torch.amp.GradScaler:
-        return ShardedGradScaler(self.dist.device.type, enabled=self.precision.uses_scaler)
 
     def check_accumulation(self, accum_steps: int, configured: int) -> None:
         pass  # no static graph under FSDP
@@ -233,19 +267,12 @@ class FSDPStrategy(Strategy):
                        options=StateDictOptions(full_state_dict=whole))
 
 
-class ShardedGradScaler(torch.amp.GradScaler):
-    """fp16 loss scaling over sharded gradients: each rank checks only its shards for
-    inf/NaN, so the verdict is all-reduced and every rank skips (or takes) the same steps.
+def _fill_shard(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Write this rank's shard of `value` (the whole parameter, on the CPU) into the sharded
+    `param`; no communication (every rank draws the same whole value)."""
+    from torch.distributed.tensor import distribute_tensor
 
-    torch's ShardedGradScaler does this too, but its found-inf tensor has shape [1], which
-    the fused AdamW refuses (torch 2.13); this keeps GradScaler's scalar.
-    """
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
-        if self.is_enabled() and torch_dist.is_initialized():
-            for found_inf in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                torch_dist.all_reduce(found_inf, op=torch_dist.ReduceOp.MAX)
+    param.copy_(distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None))
 
 
 def make_strategy(cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan) -> Strategy:

@@ -110,11 +110,21 @@ def precision_cache_file() -> str:
     return os.path.join(base, "precision.json")
 
 
+def probe_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A training-mode copy of `model` to time; one built on the meta device (FSDP) is
+    filled in on the CPU first."""
+    probe = copy.deepcopy(model).train()
+    if any(p.is_meta for p in probe.parameters()):
+        probe.to_empty(device="cpu")
+        probe.init_weights()
+    return probe
+
+
 def step_seconds(model: torch.nn.Module, name: str, batch_size: int, block_size: int, steps: int = 3) -> float:
     """Seconds of one forward and backward pass of a copy of `model` under `name`'s autocast:
     the best of `steps` timed passes after a warm-up one. The caller's model, its gradients
     and the global random generators are left as they were."""
-    probe = copy.deepcopy(model).train()
+    probe = probe_copy(model)
     pass_seconds(probe, name, batch_size, block_size)
     return min(pass_seconds(probe, name, batch_size, block_size) for _ in range(steps))
 
@@ -222,7 +232,7 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
         choice = "fp32"
         why = f"bf16 matmuls {slowdown:.0f}x slower than fp32 at this width (no fast bf16 instructions); no pass run"
     else:
-        probe = copy.deepcopy(model).train()
+        probe = probe_copy(model)
         tokens = min(block_size, 64)  # one short sequence: how fast fp32 passes go, to size the others
         calibration = measure(probe, "fp32", 1, tokens)
         sequences, tokens = probe_shape(model, batch_size, block_size,

@@ -136,7 +136,9 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 24
         first = tok.separator_ids
     start = torch.from_numpy(first.astype("int64"))[None].to(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    out = model.generate(start, tokens, temperature=0.8, generator=generator)
+    # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
+    with torch.compiler.set_stance("force_eager"):
+        out = model.generate(start, tokens, temperature=0.8, generator=generator)
     model.train(was_training)
     text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
     shown = "\n".join("    " + line for line in text.splitlines())

@@ -100,7 +100,7 @@ class Trainer:
         self.metrics, self.saver, self.snapshot_metadata = metrics, saver, snapshot_metadata
         self.run_lock = run_lock  # rank 0's RunLock: its `lost` stops every rank at the next agreement
         self.device = dist.device
-        self.model = model.to(self.device)
+        self.model = model  # placed (or, built on the meta device, filled in) by the strategy
         self.block_size = model.cfg.block_size
         self.precision = self._resolve_precision(resumed_precision)
         if self.device.type == "cuda":
@@ -110,7 +110,6 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         self.strategy = parallel.make_strategy(cfg, dist, self.model, self.precision)  # DDP or FSDP
         determinism.apply(cfg.deterministic, self.strategy.compiled)  # before the first GPU matmul
-        self.forward_model = self.strategy.forward_model
         self.optimizer = self.strategy.make_optimizer(optim_cfg)
         self.scaler = self.strategy.grad_scaler()
         self.corpus = corpus
@@ -148,6 +147,7 @@ class Trainer:
         self.last_val_bpb: Optional[float] = None
         self._last_agreement = (0, time.monotonic())  # (step, time) of the last stop agreement
         self._next_agreement = 1  # the step of the next one (the loop's measurements set it)
+        self.grad_norm: Optional[torch.Tensor] = None  # the last step's, before clipping (when clipping)
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
@@ -326,7 +326,7 @@ class Trainer:
             total_loss += loss.detach()
         if self.cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
-            self.strategy.clip_grad_norm_(self.cfg.grad_clip)
+            self.grad_norm = self.strategy.clip_grad_norm_(self.cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -351,18 +351,18 @@ class Trainer:
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
         totals = torch.zeros(5, device=self.device, dtype=torch.float64)
-        # Every rank runs the same number of forward passes (FSDP gathers parameters in each):
-        # a rank with fewer windows runs its last pass on a window it does not count.
+        # Every rank runs the same number of forward passes (FSDP gathers parameters in each),
+        # each on a full micro-batch, so the compiled eval graph never sees another shape: a
+        # short batch is filled up with windows that are not counted.
         for start in range(0, -(-windows // self.dist.world_size), self.micro_batch):
             chunk = mine[start:start + self.micro_batch]
             counted = len(chunk)
-            x, y = to_device(self.val_windows.gather(chunk if counted else torch.zeros(1, dtype=torch.long)), self.device)
+            filler = torch.zeros(self.micro_batch - counted, dtype=torch.long)
+            x, y = to_device(self.val_windows.gather(torch.cat([chunk, filler])), self.device)
             with self.precision.autocast():
-                # Not the compiled model, which eval mode, no_grad and a short last batch would
-                # each make recompile (tens of seconds on a large model, every evaluation).
-                logits, _ = self.model(x)
+                logits, _ = self.strategy.eval_model(x)
             if counted:
-                totals[:4] += window_loss_sums(logits, y, self.token_bytes)
+                totals[:4] += window_loss_sums(logits[:counted], y[:counted], self.token_bytes)
                 totals[4] += counted
         distributed.all_reduce_sum(totals)
         self.model.train()
@@ -430,7 +430,7 @@ class Trainer:
         window_loss = torch.zeros((), device=self.device)
         window_steps = 0
         # The first window after start includes compiling the model (when compiled).
-        includes_compile = self.forward_model is not self.model
+        includes_compile = self.strategy.compiled
         timer = StepTimer(self.device)  # training steps only: evaluations and saves are paused out
         timer.resume()
         # The first agreement follows this process's first step: it measures the pace that
@@ -547,6 +547,8 @@ class Trainer:
         if self.datasheet_peak_flops is not None:
             record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
                                           self.dist.world_size)
+        if self.grad_norm is not None:  # computed for clipping anyway; the same on every rank
+            record["grad_norm"] = self.grad_norm.item()
         if includes_compile:
             record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
         self.metrics.write(record)

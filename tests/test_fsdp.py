@@ -149,8 +149,6 @@ def expect_error(proc, pattern, code=2):
 
 def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     base = args(tmp_path / "bad", small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")
-    expect_error(run_cli([*base, "trainer.compile=true"], timeout=120),
-                 "trainer.compile=true does not work with trainer.strategy=fsdp")
     text = expect_error(run_cli([*base, "model.n_embd=1", "model.n_head=1"], nproc=2, timeout=120),
                         "the model is too small to shard over 2 processes", code=None)
     assert text.count("error:") == 1, text
@@ -178,16 +176,21 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
 
 
 def test_bench_reports_each_ranks_share_of_parameters_gradients_and_optimizer_state(tmp_path, small_corpus):
+    """Every way this can fail shows the bench's output (a timeout on a loaded machine too)."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc_per_node=2",
-         "-m", "mingpt_ddp.bench", "train", *TINY, f"data.path={small_corpus}", "steps=1", "warmup=0",
-         "trainer.strategy=fsdp", f"out={out}"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, output(proc)
-    assert "memory, trainer.strategy=fsdp" in proc.stdout
+    try:
+        proc = subprocess.run(
+            [TORCHRUN, "--standalone", "--nproc_per_node=2",
+             "-m", "mingpt_ddp.bench", "train", *TINY, f"data.path={small_corpus}", "steps=1", "warmup=0",
+             "trainer.strategy=fsdp", f"out={out}"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired as e:
+        partial = "".join(v.decode(errors="replace") if isinstance(v, bytes) else v or "" for v in (e.stdout, e.stderr))
+        pytest.fail(f"bench train did not finish in {e.timeout:.0f} s:\n{partial}")
+    text = output(proc)
+    assert proc.returncode == 0 and "memory, trainer.strategy=fsdp" in proc.stdout and out.exists(), text
     r = json.loads(out.read_text())
     mine, whole = r["state_bytes_per_rank"], r["state_bytes_whole_model"]
     assert whole["parameters"] == 4 * r["parameters"] == whole["gradients"]  # fp32, the tied head once
     assert whole["optimizer_state"] >= 2 * whole["parameters"]  # AdamW's two moments (and its step counters)
     for key in whole:  # each rank holds about half: its shards, padded to whole rows
-        assert 0.45 * whole[key] < mine[key] < 0.6 * whole[key], (key, mine, whole)
+        assert 0.45 * whole[key] < mine[key] < 0.6 * whole[key], (key, mine, whole, text)

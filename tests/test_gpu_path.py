@@ -353,8 +353,10 @@ def test_the_first_window_of_a_compiled_model_is_labelled(tmp_path, shakespeare,
     assert [w.get("includes_compile", False) for w in windows] == [True, False]
 
 
-def test_evaluation_does_not_recompile_the_compiled_model(shakespeare, monkeypatch):
-    """Eval mode, no_grad and a short last batch each used to trigger a recompile."""
+def test_evaluation_runs_a_graph_compiled_once(shakespeare, monkeypatch):
+    """Evaluation runs compiled (issue 23): one graph for eval mode and no_grad, compiled at
+    the first evaluation and run by every later one, its short last batch included (a new
+    shape would recompile). Before, evaluation ran the eager model."""
     from torch._dynamo.utils import counters
 
     real_compile = torch.compile
@@ -367,9 +369,21 @@ def test_evaluation_does_not_recompile_the_compiled_model(shakespeare, monkeypat
     trainer._optimizer_step(next(trainer.step_batches()))
     graphs_after_training = counters["stats"]["unique_graphs"]
     assert graphs_after_training >= 1
+    first = trainer.evaluate()
+    assert counters["stats"]["unique_graphs"] == graphs_after_training + 1
+    assert trainer.evaluate() == first
+    trainer._optimizer_step(next(trainer.step_batches()))
     trainer.evaluate()
-    trainer.evaluate()
-    assert counters["stats"]["unique_graphs"] == graphs_after_training
+    assert counters["stats"]["unique_graphs"] == graphs_after_training + 1
+    with torch.no_grad():  # the same mean as the eager model's over the same windows
+        trainer.model.eval()
+        n = len(trainer.val_windows)
+        from mingpt_ddp.char_dataset import to_device
+
+        x, y = to_device(trainer.val_windows.gather(torch.arange(n)), trainer.device)
+        _, eager = trainer.model(x, y)
+        trainer.model.train()
+    assert trainer.state.last_val_loss == pytest.approx(eager.item(), rel=1e-5)
 
 
 # ---- finding 8: MFU against the datasheet peak too -----------------------------------------------

@@ -28,7 +28,7 @@ def test_the_plan_runs_every_gpu_check_in_order(tmp_path):
     assert list(plan) == STEPS, proc.stdout
     gpt2 = "model=gpt2 data.block_size=1024 model.dropout=0"
     for name, extra in (("ddp_compiled", "trainer.compile=true"), ("ddp_eager", "trainer.compile=false"),
-                        ("fsdp", "trainer.strategy=fsdp"), ("fsdp_compiled", "trainer.strategy=fsdp trainer.compile=true")):
+                        ("fsdp", "trainer.strategy=fsdp trainer.compile=false"), ("fsdp_compiled", "trainer.strategy=fsdp trainer.compile=true")):
         assert "--nproc_per_node=8 -m mingpt_ddp.bench train " + gpt2 in plan[name] and extra in plan[name], plan[name]
         assert "data.path=/data/corpus.txt" in plan[name]
     assert "-m mingpt_ddp.bench peak" in plan["peak"] and "-m mingpt_ddp.bench comm max_bytes=256MB" in plan["comm"]
