@@ -28,6 +28,17 @@ TINY = [
 ]
 
 
+TIERS = ("unit", "cli", "dist", "s3", "slurm")  # pyproject.toml describes them; tests/README.md maps them
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test names its tier, so that `-m unit` stays the whole in-process set."""
+    untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}; see tests/README.md): "
+                                + ", ".join(untiered))
+
+
 CORPUS = REPO / "tests" / "data" / "tinyshakespeare-40k.txt"
 
 

@@ -26,11 +26,13 @@ def base(run_dir, corpus):
     return [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", "trainer.max_steps=2"]
 
 
+@pytest.mark.cli
 def test_missing_data_file_without_download(run_dir, tmp_path):
     text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=null"], "data file not found")
     assert "data.path" in text
 
 
+@pytest.mark.cli
 def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
     text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt"],
                         "downloading it from http://127.0.0.1:9/x.txt failed")
@@ -38,6 +40,7 @@ def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
     assert not (tmp_path / "nope.txt").exists()
 
 
+@pytest.mark.cli
 def test_a_mistyped_data_path_is_one_error_and_nothing_is_downloaded_or_created(run_dir, tmp_path):
     """The preset's download URL is for its own path: a typo'd path (enwk9 for enwik9) is
     not filled with tiny-shakespeare and trained on."""
@@ -47,16 +50,19 @@ def test_a_mistyped_data_path_is_one_error_and_nothing_is_downloaded_or_created(
     assert not (tmp_path / "corpora").exists()
 
 
+@pytest.mark.cli
 def test_empty_data_file(run_dir, tmp_path):
     (tmp_path / "empty.txt").write_text("")
     expect_error(base(run_dir, tmp_path / "empty.txt"), "is empty")
 
 
+@pytest.mark.cli
 def test_non_utf8_data_file(run_dir, tmp_path):
     (tmp_path / "latin1.txt").write_bytes("naïve café\n".encode("latin-1") * 100)
     expect_error(base(run_dir, tmp_path / "latin1.txt"), "is not UTF-8")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_epochs=abc", "could not be converted to Integer"),
     ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
@@ -67,6 +73,7 @@ def test_hydra_rejects_wrong_types_unknown_keys_and_presets(run_dir, small_corpu
     expect_error(base(run_dir, small_corpus) + [override], message, code=1)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("override, message", [
     ("data.block_size=5000", "data.block_size=5000 is larger than the validation split"),
     ("model.n_embd=50", "model.n_embd=50 is not divisible by model.n_head=3"),
@@ -79,6 +86,7 @@ def test_values_that_cannot_work(run_dir, small_corpus, override, message):
     expect_error(base(run_dir, small_corpus) + [override], message)
 
 
+@pytest.mark.cli
 def test_unwritable_snapshot_location_fails_before_training(run_dir, small_corpus, tmp_path):
     (tmp_path / "a_file").write_text("x")
     text = expect_error(base(run_dir, small_corpus) + [f"trainer.snapshot_path={tmp_path}/a_file/sub/snapshot.pt"],
@@ -86,6 +94,7 @@ def test_unwritable_snapshot_location_fails_before_training(run_dir, small_corpu
     assert "step" not in text.split("cannot write")[0].split("\n")[-1]
 
 
+@pytest.mark.cli
 def test_snapshot_of_another_model_or_vocabulary_is_refused_and_kept(run_dir, small_corpus, tmp_path):
     ok = run_cli(base(run_dir, small_corpus))
     assert ok.returncode == 0, output(ok)
@@ -99,12 +108,14 @@ def test_snapshot_of_another_model_or_vocabulary_is_refused_and_kept(run_dir, sm
     assert load_snapshot(snap)["train_state"]["step"] == 2
 
 
+@pytest.mark.dist
 def test_errors_come_from_one_rank_under_torchrun(run_dir, small_corpus):
     proc = run_cli(base(run_dir, small_corpus) + ["model.n_embd=50"], nproc=2, timeout=120)
     assert proc.returncode != 0
     assert output(proc).count("error: model.n_embd=50 is not divisible") == 1, output(proc)
 
 
+@pytest.mark.dist
 def test_ranks_that_resolve_different_configurations_stop_naming_the_keys(run_dir, small_corpus, tmp_path):
     """A per-rank path (`${oc.env:RANK}`): only d_0.txt exists, and with the per-node token
     file only local rank 0 would read data.path, so nothing else notices. One line names the

@@ -50,6 +50,7 @@ def n_params_by_formula(n_layer, n_embd, vocab):
     return n_layer * (12 * d * d + 13 * d) + vocab * d + 2 * d
 
 
+@pytest.mark.unit
 def test_flops_per_token_is_6n_plus_12_l_t_d():
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     n = n_params_by_formula(4, 128, 65)
@@ -57,11 +58,13 @@ def test_flops_per_token_is_6n_plus_12_l_t_d():
     assert model.flops_per_token(64) == 6 * n + 12 * 4 * 64 * 128
 
 
+@pytest.mark.unit
 def test_mfu_is_model_flops_over_the_peak_of_all_processes():
     assert mfu(1e6, 1000.0, 1e10, 1) == pytest.approx(0.1)
     assert mfu(1e6, 1000.0, 1e10, 2) == pytest.approx(0.05)
 
 
+@pytest.mark.unit
 def test_arguments_split_into_bench_options_and_hydra_overrides():
     mode, options, overrides = bench.parse_args(["train", "steps=7", "model=gpt-nano", "trainer.batch_size=3"])
     assert mode == "train" and options["steps"] == "7"
@@ -71,12 +74,14 @@ def test_arguments_split_into_bench_options_and_hydra_overrides():
         bench.parse_args(["fly"])
 
 
+@pytest.mark.cli
 def test_unknown_mode_is_one_line_and_exit_code_2(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "fly"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("error: usage: python -m mingpt_ddp.bench <peak|train")
 
 
+@pytest.mark.cli
 def test_peak(tmp_path):
     stdout, result = run_bench(["peak", "sizes=128,256", "seconds=0.05", *TINY_TRAIN], tmp_path)
     header, rows = table(stdout)
@@ -91,6 +96,7 @@ def test_peak(tmp_path):
     assert result["env"]["cpu"]["cores"] >= 1
 
 
+@pytest.mark.cli
 def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.bench", "peak", "sizes=64", "seconds=0.01"], cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
@@ -100,6 +106,7 @@ def test_results_go_under_outputs_not_into_the_current_directory(tmp_path):
     assert len(written) == 1 and json.loads(written[0].read_text())["peak_tflops"]
 
 
+@pytest.mark.cli
 def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, small_corpus):
     stdout, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=4", "warmup=1"], tmp_path)
     header, rows = table(stdout)
@@ -114,6 +121,7 @@ def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, sm
     assert r["peak_memory_bytes"] > 10 * 2**20 and r["peak_memory_kind"] == "max RSS"
 
 
+@pytest.mark.dist
 def test_train_runs_under_torchrun_and_counts_all_ranks(tmp_path, small_corpus):
     _, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=2", "warmup=1"], tmp_path, nproc=2)
     assert r["env"]["world_size"] == 2 and r["global_batch"] == 8
@@ -121,6 +129,7 @@ def test_train_runs_under_torchrun_and_counts_all_ranks(tmp_path, small_corpus):
     assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_s"] / (2 * r["peak_flops_per_process"]))
 
 
+@pytest.mark.cli
 def test_data(tmp_path, small_corpus):
     stdout, r = run_bench(["data", "data.block_size=32", "trainer.batch_size=4", f"data.path={small_corpus}",
                            "steps=500"], tmp_path)
@@ -130,6 +139,7 @@ def test_data(tmp_path, small_corpus):
     assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 32)
 
 
+@pytest.mark.cli
 def test_data_with_a_bpe_reports_its_encoding_per_core(tmp_path, small_corpus):
     pytest.importorskip("tokenizers")
     stdout, r = run_bench(["data", "data.block_size=32", "trainer.batch_size=4", f"data.path={small_corpus}",
@@ -141,6 +151,7 @@ def test_data_with_a_bpe_reports_its_encoding_per_core(tmp_path, small_corpus):
     assert "MB/s per core" in stdout and "bpe (300 tokens)" in stdout
 
 
+@pytest.mark.cli
 def test_snapshot_to_a_local_url(tmp_path, small_corpus):
     target = tmp_path / "snaps"
     stdout, r = run_bench(["snapshot", "model=gpt-nano", "data.block_size=32", "trainer.batch_size=4",
@@ -155,11 +166,13 @@ def test_snapshot_to_a_local_url(tmp_path, small_corpus):
     assert not list(target.glob("bench-snapshot*"))  # the bench removes what it wrote
 
 
+@pytest.mark.cli
 def test_comm_alone(tmp_path):
     _, r = run_bench(["comm", "max_bytes=1KB"], tmp_path)
     assert r["ranks"] == 1 and [row["size"] for row in r["rows"]] == [8, 16, 32, 64, 128, 256, 512, 1024]
 
 
+@pytest.mark.dist
 def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
     stdout, r = run_bench(["comm", "max_bytes=64KB", "iters=3", "warmup=1"], tmp_path, nproc=2)
     header, rows = table(stdout)
@@ -174,6 +187,7 @@ def test_comm_under_torchrun_reports_like_nccl_tests(tmp_path):
     assert "# Avg bus bandwidth" in stdout
 
 
+@pytest.mark.cli
 def test_precision_reports_fp32_and_bf16_and_the_auto_choice_here_and_under_avx2(tmp_path, small_corpus):
     tiny = [o for o in TINY_TRAIN if not o.startswith("model=")]
     stdout, r = run_bench(["precision", *tiny, f"data.path={small_corpus}", "steps=1", "avx2=true",
@@ -189,6 +203,7 @@ def test_precision_reports_fp32_and_bf16_and_the_auto_choice_here_and_under_avx2
         assert row["auto_choice"] in ("fp32", "bf16")
     assert len(r["avx2_rows"]) == 2
 
+@pytest.mark.unit
 def test_precision_row_times_bf16_in_one_bounded_pass_unless_its_matmuls_are_faster(monkeypatch):
     """gpt2 under the AVX2 emulation: bf16 matmuls 2.9x slower (under the 3x that skips bf16)
     made the bench time four full bf16 passes of ~90 s each (20 minutes for one table)."""

@@ -28,6 +28,7 @@ gpu-1:6831:6840 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/Libfabr
 """
 
 
+@pytest.mark.unit
 def test_the_transport_nccl_chose_is_read_from_its_log():
     t = bench.nccl_transport(NCCL_LOG)
     assert t == {"nccl": "2.21.5+cuda12.4", "channels": {"P2P": 2, "NET/Libfabric": 2}, "network": "Libfabric",
@@ -38,6 +39,7 @@ def test_the_transport_nccl_chose_is_read_from_its_log():
     assert "shared memory" not in line
 
 
+@pytest.mark.unit
 def test_lost_gpu_peer_access_is_named():
     """Under `srun --gpus-per-task=1` with cgroup device isolation each rank sees only its
     own GPU: NCCL's channels inside a node go through shared memory instead of P2P."""
@@ -50,6 +52,7 @@ def test_lost_gpu_peer_access_is_named():
     assert gloo == "gloo over TCP on interface ens5 (GLOO_SOCKET_IFNAME)"
 
 
+@pytest.mark.unit
 def test_nccl_log_is_left_alone_without_gpus(monkeypatch):
     monkeypatch.delenv("NCCL_DEBUG_FILE", raising=False)
     monkeypatch.delenv(bench.NCCL_LOG_DIR, raising=False)
@@ -66,6 +69,7 @@ def rows(busbw_GBps: float) -> list[dict]:
     return [{"size": s, "busbw_GBps": busbw_GBps} for s in (1 << 16, 1 << 20, 1 << 24)]
 
 
+@pytest.mark.unit
 def test_ddp_projection_overlaps_buckets_with_the_backward():
     """100 ms of compute (backward: the middle 2/3), 4 MiB of gradients in 1 MiB buckets.
     On a fast link every bucket but the last hides behind the backward; on a slow one the
@@ -86,6 +90,7 @@ def test_ddp_projection_overlaps_buckets_with_the_backward():
     assert slow["step_ms"] == pytest.approx(100 + slow["exposed_ms"])
 
 
+@pytest.mark.unit
 def test_busbw_between_the_sizes_measured():
     measured = [{"size": 1 << 10, "busbw_GBps": 0.1}, {"size": 1 << 20, "busbw_GBps": 10.0}]
     assert bench.busbw_at(measured, 1 << 15) == pytest.approx(5.05)  # halfway on a log scale
@@ -93,6 +98,7 @@ def test_busbw_between_the_sizes_measured():
     assert bench.busbw_at(measured, 1 << 30) == 10.0
 
 
+@pytest.mark.unit
 def test_projection_needs_a_one_process_train_json(tmp_path):
     two = tmp_path / "two.json"
     two.write_text(json.dumps({"mode": "train", "env": {"world_size": 2}}))
@@ -104,6 +110,7 @@ def test_projection_needs_a_one_process_train_json(tmp_path):
         bench.parse_hosts("1")
 
 
+@pytest.mark.dist
 def test_comm_prints_its_transport_and_the_projection(tmp_path):
     """Two gloo ranks: the table, each rank's transport, and one projection line per host
     count, from a one-process train JSON (the bucket size from its overrides). One rank

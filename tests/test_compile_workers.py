@@ -9,7 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
+
 
 SCRIPT = """import os, signal, sys, time
 import torch._inductor.async_compile as ac
@@ -66,6 +69,7 @@ def run(tmp_path, how: str, wait_s: float) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.dist
 def test_sigusr1_to_the_process_group_spares_shielded_compile_workers(tmp_path):
     text = run(tmp_path, "shielded", 120)
     assert "compile processes: " in text, text
@@ -75,17 +79,19 @@ def test_sigusr1_to_the_process_group_spares_shielded_compile_workers(tmp_path):
     assert "second job: ready" in text, text
 
 
+@pytest.mark.dist
 def test_without_the_shield_the_same_signal_kills_them(tmp_path):
     """What the trainer did before: the workers die and the next compile job never returns."""
     text = run(tmp_path, "unshielded", 5)
     assert "alive after SIGUSR1: 0 of" in text and "second job failed" in text, text
 
 
+@pytest.mark.unit
 def test_a_compiled_trainer_shields_its_workers_before_training(shakespeare, monkeypatch):
     import torch
 
     from mingpt_ddp import trainer as trainer_module
-    from test_gpu_path import make_trainer
+    from test_throughput_metrics import make_trainer
 
     shielded = []
     monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: shielded.append(True))

@@ -12,6 +12,7 @@ def composed(*overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("preset, shape", [
     ("gpt-nano", (3, 3, 48)), ("gpt-micro", (4, 4, 128)), ("gpt-mini", (6, 6, 192)),
     ("gopher-44m", (8, 16, 512)), ("gpt2", (12, 12, 768)),
@@ -21,6 +22,7 @@ def test_presets(preset, shape):
     assert (m.n_layer, m.n_head, m.n_embd) == shape
 
 
+@pytest.mark.unit
 def test_defaults_are_the_documented_interface():
     cfg = composed()
     assert cfg.data.path == "data/tinyshakespeare.txt" and cfg.data.val_fraction == 0.1
@@ -28,6 +30,7 @@ def test_defaults_are_the_documented_interface():
     config.validate(cfg)
 
 
+@pytest.mark.unit
 def test_ddp_tutorial_experiment():
     cfg = composed("experiment=ddp_tutorial")
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (8, 8, 512)
@@ -35,6 +38,7 @@ def test_ddp_tutorial_experiment():
     assert cfg.trainer.save_every == 3
 
 
+@pytest.mark.dist
 def test_run_id_is_shared_by_ranks_and_restarts(monkeypatch):
     for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -48,6 +52,7 @@ def test_run_id_is_shared_by_ranks_and_restarts(monkeypatch):
     assert config.run_id() == "torchrun-abc"
 
 
+@pytest.mark.unit
 def test_the_tiny_shakespeare_download_belongs_to_the_presets_own_path():
     """A download happens only when asked for: the preset's path with its URL, or a
     data.download_url given with data.path; any other path (a typo) never downloads."""

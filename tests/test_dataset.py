@@ -11,6 +11,8 @@ from mingpt_ddp.char_dataset import (
 )
 from mingpt_ddp.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def test_vocabulary_is_sorted_and_round_trips():
     vocab = Vocabulary.from_text("hello, world\nÄß")

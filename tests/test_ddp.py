@@ -16,6 +16,7 @@ def train(run_dir, corpus, *extra, nproc=2, env=None):
     return output(proc)
 
 
+@pytest.mark.dist
 def test_training_lowers_validation_loss_and_replicas_stay_identical(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     audit = tmp_path / "writes.log"
@@ -35,6 +36,7 @@ def test_training_lowers_validation_loss_and_replicas_stay_identical(tmp_path, s
     assert (run_dir / "snapshot.pt").is_file()
 
 
+@pytest.mark.dist
 def test_stop_after_epoch_one_then_resume_equals_an_uninterrupted_run(tmp_path, small_corpus):
     """With a fixed LR horizon, 1 epoch + 1 resumed epoch is bit-identical to 2 epochs (dropout on)."""
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -59,6 +61,7 @@ def test_stop_after_epoch_one_then_resume_equals_an_uninterrupted_run(tmp_path, 
     assert (split / "snapshot.pt").read_bytes() == before
 
 
+@pytest.mark.dist
 def test_ranks_agree_on_the_run_directory_without_hydra_run_dir(tmp_path, small_corpus):
     proc = run_cli([*TINY, f"data.path={small_corpus}", "trainer.max_steps=3"], nproc=2, cwd=tmp_path)
     assert proc.returncode == 0, output(proc)
@@ -67,6 +70,7 @@ def test_ranks_agree_on_the_run_directory_without_hydra_run_dir(tmp_path, small_
     assert (dirs[0] / "snapshot.pt").is_file() and (dirs[0] / ".hydra" / "config.yaml").is_file()
 
 
+@pytest.mark.cli
 def test_sample_from_a_run_directory(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     train(run_dir, small_corpus, "trainer.max_steps=5", nproc=0)
@@ -79,6 +83,7 @@ def test_sample_from_a_run_directory(tmp_path, small_corpus):
     assert set(text) <= set(vocab)
 
 
+@pytest.mark.cli
 def test_missing_corpus_is_downloaded_once_atomically_while_other_ranks_wait(tmp_path, small_corpus):
     """A real HTTP server on 127.0.0.1 stands in for the public URL."""
     import socket
@@ -112,6 +117,7 @@ def test_missing_corpus_is_downloaded_once_atomically_while_other_ranks_wait(tmp
     assert [p.name for p in target.parent.iterdir()] == ["tinyshakespeare.txt"]  # no temp file left
 
 
+@pytest.mark.dist
 def test_tensorboard_gets_the_same_scalars_as_metrics_jsonl(tmp_path, small_corpus):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     run_dir = tmp_path / "run"

@@ -26,6 +26,7 @@ def restore_switches(monkeypatch):
         inductor_config.deterministic = False
 
 
+@pytest.mark.unit
 def test_on_it_sets_every_switch_and_off_clears_them(restore_switches):
     import torch._inductor.config as inductor_config
 
@@ -40,6 +41,7 @@ def test_on_it_sets_every_switch_and_off_clears_them(restore_switches):
     assert inductor_config.deterministic is False
 
 
+@pytest.mark.unit
 def test_a_compiled_run_is_refused_where_inductor_has_no_deterministic_mode(restore_switches, monkeypatch):
     monkeypatch.setattr(determinism, "inductor_has_deterministic_mode", lambda: False)
     with pytest.raises(ConfigError, match="set trainer.compile=false"):
@@ -48,6 +50,7 @@ def test_a_compiled_run_is_refused_where_inductor_has_no_deterministic_mode(rest
     assert torch.are_deterministic_algorithms_enabled()
 
 
+@pytest.mark.unit
 def test_an_op_without_a_deterministic_kernel_is_one_line(restore_switches):
     torch.use_deterministic_algorithms(True)
     x = torch.zeros(4)
@@ -60,6 +63,7 @@ def test_an_op_without_a_deterministic_kernel_is_one_line(restore_switches):
     assert determinism.explain(RuntimeError("CUDA out of memory")) is None
 
 
+@pytest.mark.cli
 def test_a_run_with_it_on_trains(tmp_path, small_corpus):
     proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=6",
                     "trainer.deterministic=true"], timeout=180)

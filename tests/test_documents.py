@@ -9,6 +9,8 @@ import pytest
 from mingpt_ddp import documents
 from mingpt_ddp.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 

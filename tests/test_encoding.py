@@ -11,6 +11,8 @@ from mingpt_ddp import encoding, tokenizer
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 TRAIN_WORDS = "alpha beta gamma delta, the quick brown fox. "
 VAL_WORD = "zyzzyva "
 

@@ -31,6 +31,7 @@ print(_json.dumps({{"x": x.tolist(), "logits": logits.tolist(), "modules": sorte
 """
 
 
+@pytest.mark.cli
 def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logits(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     proc = run_cli([*TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}", "trainer.max_steps=10"])
@@ -61,6 +62,7 @@ def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logi
     torch.testing.assert_close(torch.tensor(result["logits"]), expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.cli
 def test_export_needs_a_snapshot(tmp_path):
     proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", str(tmp_path), str(tmp_path / "out")], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -68,6 +70,7 @@ def test_export_needs_a_snapshot(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.s3
 def test_export_from_an_s3_snapshot_with_safetensors(tmp_path, moto_s3):
     """A snapshot written straight to S3 (no local run directory), exported with --safetensors."""
     safetensors_torch = pytest.importorskip("safetensors.torch")

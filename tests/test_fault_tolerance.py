@@ -80,6 +80,7 @@ def metrics_lines(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+@pytest.mark.dist
 def test_three_sigkills_under_torchrun_restarts_end_bit_identical(tmp_path, small_corpus):
     common = ["trainer.max_epochs=12", "trainer.snapshot_every_steps=7", "trainer.log_every=5"]
     reference = tmp_path / "reference"
@@ -109,6 +110,7 @@ def test_three_sigkills_under_torchrun_restarts_end_bit_identical(tmp_path, smal
     same_parameters(reference / "snapshot.pt", run_dir / "snapshot.pt")
 
 
+@pytest.mark.dist
 def test_rank0_killed_while_writing_keeps_the_previous_snapshot(tmp_path, small_corpus):
     """A large model makes the write long enough to kill rank 0 inside it."""
     run_dir = tmp_path / "run"
@@ -134,6 +136,7 @@ def test_rank0_killed_while_writing_keeps_the_previous_snapshot(tmp_path, small_
     assert load_snapshot(run_dir / "snapshot.pt")["train_state"]["step"] == 4
 
 
+@pytest.mark.cli
 def test_damaged_newest_snapshot_falls_back_and_all_damaged_is_an_error(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     fixed = ["trainer.snapshot_every_steps=5", "optimizer.decay_steps=100"]
@@ -154,6 +157,7 @@ def test_damaged_newest_snapshot_falls_back_and_all_damaged_is_an_error(tmp_path
     assert {p.name: p.read_bytes() for p in run_dir.glob("snapshot*.pt")} == damaged
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how", ["SIGUSR1 to one worker", "SIGTERM to torchrun"])
 def test_preemption_signal_snapshots_at_an_agreed_step_and_resumes_exactly(tmp_path, small_corpus, how):
     common = ["trainer.max_epochs=8", "trainer.log_every=5"]
@@ -185,6 +189,7 @@ def test_preemption_signal_snapshots_at_an_agreed_step_and_resumes_exactly(tmp_p
     same_parameters(reference / "snapshot.pt", run_dir / "snapshot.pt")
 
 
+@pytest.mark.dist
 def test_resuming_with_another_world_size_keeps_the_global_batch(tmp_path, small_corpus):
     fixed = ["optimizer.decay_steps=60", "model.dropout=0.0", "trainer.eval_every=10"]
     two, mixed = tmp_path / "two", tmp_path / "mixed"
@@ -208,6 +213,7 @@ def test_resuming_with_another_world_size_keeps_the_global_batch(tmp_path, small
         assert periodic == {10: 64, 20: 64, 40: 64}, periodic
 
 
+@pytest.mark.cli
 def test_precision_auto_keeps_the_snapshots_choice_and_an_explicit_one_overrides_it(tmp_path, small_corpus):
     """precision=auto resolves once per run: a resume (on another CPU, or with the cache of
     measurements gone) trains on in the snapshot's precision; an explicit one replaces it."""
@@ -225,6 +231,7 @@ def test_precision_auto_keeps_the_snapshots_choice_and_an_explicit_one_overrides
     assert run("auto", 20).endswith("fp32") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "fp32"
 
 
+@pytest.mark.cli
 def test_step_and_time_based_snapshots_with_retention(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     must_pass(run_cli(args(run_dir, small_corpus, "trainer.max_steps=40", "trainer.snapshot_every_steps=15",

@@ -23,6 +23,7 @@ def full_model(path, **options):
     return load_full_model_state(str(path), options or None)
 
 
+@pytest.mark.dist
 def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, small_corpus):
     """20 fp32 steps from the same seed, clipping active, 2 micro-batches per step: the same
     losses as DDP. The snapshot's head is still the embedding; sample and export read the
@@ -62,6 +63,7 @@ def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, s
     assert json.loads((tmp_path / "export" / "config.json").read_text())["trained"]["step"] == 20
 
 
+@pytest.mark.dist
 def test_rank0_sigkilled_during_a_save_resumes_bit_identical_from_the_previous_snapshot(tmp_path, small_corpus,
                                                                                        monkeypatch):
     """Rank 0 dies after every rank wrote its shards and before its commit marker (each
@@ -104,6 +106,7 @@ def test_rank0_sigkilled_during_a_save_resumes_bit_identical_from_the_previous_s
         assert torch.equal(tensor, b[name]), f"{name} differs"
 
 
+@pytest.mark.dist
 def test_fsdp_resumes_on_one_worker_keeping_the_global_batch(tmp_path, small_corpus):
     fixed = ["trainer.strategy=fsdp", "optimizer.decay_steps=60", "model.dropout=0.0"]
     two, mixed = tmp_path / "two", tmp_path / "mixed"
@@ -119,6 +122,7 @@ def test_fsdp_resumes_on_one_worker_keeping_the_global_batch(tmp_path, small_cor
     assert drift < 0.05, drift
 
 
+@pytest.mark.s3
 def test_fsdp_snapshots_on_s3_and_resume_from_there(tmp_path, seaweedfs, small_corpus):
     bucket = f"run-{uuid.uuid4().hex[:12]}"
     seaweedfs.make_bucket(bucket)
@@ -147,6 +151,7 @@ def expect_error(proc, pattern, code=2):
     return text
 
 
+@pytest.mark.dist
 def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     base = args(tmp_path / "bad", small_corpus, "trainer.max_steps=2", "trainer.strategy=fsdp")
     text = expect_error(run_cli([*base, "model.n_embd=1", "model.n_head=1"], nproc=2, timeout=120),
@@ -175,6 +180,7 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     assert {p.name: p.read_bytes() for p in run.glob("snapshot*.pt")} == before
 
 
+@pytest.mark.dist
 def test_bench_reports_each_ranks_share_of_parameters_gradients_and_optimizer_state(tmp_path, small_corpus):
     """Every way this can fail shows the bench's output (a timeout on a loaded machine too)."""
     out = tmp_path / "bench.json"

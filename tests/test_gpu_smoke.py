@@ -21,6 +21,7 @@ def smoke(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedPr
                           env={**{k: v for k, v in os.environ.items() if k not in ("NPROC", "SKIP", "TEXT")}, **env})
 
 
+@pytest.mark.dist
 def test_the_plan_runs_every_gpu_check_in_order(tmp_path):
     proc = smoke("--dry-run", str(tmp_path / "out"), NPROC="8", TEXT="/data/corpus.txt")
     assert proc.returncode == 0, proc.stderr
@@ -38,12 +39,14 @@ def test_the_plan_runs_every_gpu_check_in_order(tmp_path):
     assert os.listdir(tmp_path / "out") == ["steps.tsv"] and not (tmp_path / "out" / "steps.tsv").read_text()
 
 
+@pytest.mark.cli
 def test_without_a_gpu_it_stops_in_one_line_naming_the_cpu_rehearsal(tmp_path):
     proc = smoke(str(tmp_path / "out"))
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "sees no GPU" in proc.stderr and "--cpu" in proc.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.slow
 def test_a_cpu_rehearsal_runs_its_steps_and_writes_one_report(tmp_path, small_corpus):
     """Compiling takes minutes on a CPU: those two steps are left out here (their commands are

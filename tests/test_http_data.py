@@ -76,6 +76,7 @@ def load(url, cache):
     return CharCorpus.from_tokens(tokens, Vocabulary(made.chars), 0.1), made
 
 
+@pytest.mark.cli
 def test_a_presigned_http_url_is_read_and_its_secrets_stay_out_of_the_cache(http_server, tmp_path, small_corpus,
                                                                              caplog):
     served, base = http_server
@@ -106,6 +107,7 @@ def test_a_presigned_http_url_is_read_and_its_secrets_stay_out_of_the_cache(http
     assert_no_secret(cache.rglob("*"))
 
 
+@pytest.mark.cli
 def test_a_missing_or_refused_http_url_is_one_clear_error(http_server, tmp_path):
     served, base = http_server
     (served / "corpus.txt").write_text("text\n")
@@ -117,6 +119,7 @@ def test_a_missing_or_refused_http_url_is_one_clear_error(http_server, tmp_path)
         assert "f" * 64 not in str(err.value)
 
 
+@pytest.mark.cli
 def test_training_from_a_presigned_http_url_leaves_no_secret_anywhere(http_server, tmp_path, small_corpus):
     """As a user would: the CLI with data.path a presigned URL on a loopback server."""
     served, base = http_server

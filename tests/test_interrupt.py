@@ -52,6 +52,7 @@ def snapshot_steps(run_dir: Path) -> list[int]:
     return sorted(int(p.name.split(".step")[1][:9]) for p in run_dir.glob("snapshot.step*.pt"))
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
 def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path, small_corpus, torchrun):
@@ -69,6 +70,7 @@ def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path
     assert "run the same command" in text
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.parametrize("torchrun", [False, True], ids=["python", "torchrun"])
 def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path, small_corpus, torchrun):
@@ -94,6 +96,7 @@ def test_second_ctrl_c_aborts_at_once_without_a_traceback(tmp_path, small_corpus
     assert snapshot_steps(run_dir) == [1]  # none for the interrupted stop
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_stop_is_agreed_within_seconds_between_log_steps(tmp_path, small_corpus):
     """No log step for a long while (slow steps, a large log_every): the ranks still agree on
@@ -122,6 +125,7 @@ def test_a_stop_is_agreed_within_seconds_between_log_steps(tmp_path, small_corpu
     assert snapshot_steps(run_dir) == [stopped_at], text
 
 
+@pytest.mark.dist
 def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
     now = [100.0]
     aborted = []
@@ -136,6 +140,7 @@ def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
     assert aborted == [now[0]]
 
 
+@pytest.mark.dist
 def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     aborted = []
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -146,6 +151,7 @@ def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     assert not aborted
 
 
+@pytest.mark.unit
 def test_progress_lines_show_elapsed_time_and_eta(caplog):
     now = [0.0]
     log = MetricsLog(None, enabled=True, total_steps=100)
@@ -162,10 +168,12 @@ def test_progress_lines_show_elapsed_time_and_eta(caplog):
     assert lines[1].endswith("elapsed 25s eta 1m10s"), lines
 
 
+@pytest.mark.unit
 def test_durations_read_like_a_clock():
     assert [format_duration(s) for s in (4, 125, 3720)] == ["4s", "2m05s", "1h02m"]
 
 
+@pytest.mark.cli
 def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     proc = subprocess.run([PYTHON, MAIN, *TINY, f"data.path={small_corpus}", "trainer.max_steps=5",

@@ -62,6 +62,7 @@ def fake_command(bin_dir: Path, name: str, script: str) -> None:
 
 
 # ---- a checkout without the package installed -------------------------------------------------
+@pytest.mark.cli
 def test_multinode_runs_a_checkout_with_a_python_that_lacks_the_package(tmp_path, small_corpus):
     """PYTHON= an environment with torch, hydra-core, omegaconf and fsspec but without this
     package (as a container image with the checkout mounted, or a conda env): multinode.sh
@@ -83,6 +84,7 @@ def test_multinode_runs_a_checkout_with_a_python_that_lacks_the_package(tmp_path
     assert (run_dir / "snapshot.pt").exists()
 
 
+@pytest.mark.dist
 def test_missing_dependency_is_one_line_from_one_rank(tmp_path, small_corpus):
     """hydra-core missing from the environment: under torchrun with 2 workers, one `error:`
     line naming the package and the pip command for this interpreter, exit code 2, no
@@ -123,6 +125,7 @@ sys.meta_path.insert(0, _InjectBug())
 '''
 
 
+@pytest.mark.dist
 def test_a_bug_reaches_torchruns_failure_summary_with_its_rank_and_traceback(tmp_path, small_corpus):
     """main is wrapped in torch elastic's @record: when rank 1 raises, torchrun's summary names
     rank 1 and shows the exception and its traceback (not "error_file: <N/A>")."""
@@ -152,6 +155,7 @@ def topology(tmp_path: Path, **settings: str) -> str:
     return lines[0]
 
 
+@pytest.mark.cli
 def test_efa_auto_on_off_and_user_values_kept(tmp_path):
     """EFA=auto turns on when `fi_info -p efa` finds a device, else stays off; EFA=1 forces it
     on, EFA=0 off. On: FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 only on instance types
@@ -178,6 +182,7 @@ def test_efa_auto_on_off_and_user_values_kept(tmp_path):
     assert bad.returncode == 1 and "EFA=yes" in bad.stderr, bad.stderr
 
 
+@pytest.mark.dist
 def test_efa_settings_reach_the_agent_environment(tmp_path):
     """What torchrun (and so every worker) inherits, seen by a stand-in PYTHON: the EFA
     variables set, the user's kept, and compile threads matching OMP_NUM_THREADS."""
@@ -196,6 +201,7 @@ def test_efa_settings_reach_the_agent_environment(tmp_path):
     assert seen["TORCHINDUCTOR_COMPILE_THREADS"] == seen["OMP_NUM_THREADS"], seen
 
 
+@pytest.mark.dist
 def test_preflight_commands(tmp_path):
     """PREFLIGHT=1: the checks run first, through torchrun with this node's topology, on their
     own rendezvous (id and port) and never restarted; then training. only: just the checks."""
@@ -247,6 +253,7 @@ def fake_sbatch_run(tmp_path: Path, *args: str, scontrol: str = "exit 1\n",
     return proc, srun_args, step_env
 
 
+@pytest.mark.cli
 def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
     """CONTAINER_IMAGE set but srun has no --container-image (Pyxis not in the compute nodes'
     plugstack.conf): one message saying what to check, no step started."""
@@ -262,6 +269,7 @@ def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
     assert f"--container-mounts={REPO}:{REPO},/fsx:/fsx" in srun_args, srun_args
 
 
+@pytest.mark.cli
 def test_sbatch_hyperpod_auto_resume_and_srun_args(tmp_path):
     """Where /opt/sagemaker_cluster exists (HYPERPOD_MARKER here), srun gets --auto-resume=1 and
     the log says so; elsewhere it does not. SRUN_ARGS adds options; --kill-on-bad-exit=1 always."""
@@ -279,6 +287,7 @@ def test_sbatch_hyperpod_auto_resume_and_srun_args(tmp_path):
     assert proc.returncode == 0 and "--auto-resume=1" not in srun_args and "HyperPod" not in output(proc)
 
 
+@pytest.mark.cli
 def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
     """The step runs with the NCCL flight recorder on (trace buffer, dump on timeout) dumping
     into the run directory (outputs/slurm-<job id>, or hydra.run.dir); exported values win.
@@ -306,6 +315,7 @@ esac
 '''
 
 
+@pytest.mark.cli
 def test_sbatch_passes_an_exclusive_jobs_gpus_to_its_step(tmp_path):
     """An --exclusive job holds all of its nodes' GPUs, but Slurm gives a step only the GPUs
     the job asked for: without a request the step would see none and train on CPU. The
@@ -328,6 +338,7 @@ def multinode_dry_run(tmp_path: Path, **settings: str) -> subprocess.CompletedPr
                           timeout=60, env=clean_env(DRY_RUN="1", **settings))
 
 
+@pytest.mark.dist
 def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
     """The node has 8 GPUs (the NVIDIA driver's list, faked in GPU_INVENTORY; or Slurm's node
     record) but the job sees none (no CUDA_VISIBLE_DEVICES, no nvidia-smi): one line naming
@@ -363,6 +374,7 @@ def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
     assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
 
 
+@pytest.mark.cli
 def test_sbatch_requeues_a_failed_step_within_the_requeue_limit(tmp_path):
     """A step that fails mid-run (a lost node, a collective that timed out) is requeued like a
     preempted one: same job, resumes from its snapshot. Not when it failed within
@@ -398,6 +410,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
             "cuda": "12.4" if gpus else None, "nccl": "2.21.5" if gpus else None, "python": "3.11.9", **extra}
 
 
+@pytest.mark.unit
 def test_preflight_node_checks_name_the_node():
     from mingpt_ddp.preflight import check_comm, check_nodes, own_failure
 
@@ -427,6 +440,7 @@ def test_preflight_node_checks_name_the_node():
     assert "non-finite values (inf/NaN) at 1048576 bytes on rank 3 (node gpu-1)" in problem, problem
 
 
+@pytest.mark.cli
 def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):
     """cpus_per_task defaults to the smallest node's CPUs (sinfo; the default partition is the
     one marked *) / tasks per node; None where sinfo is missing or fails."""
@@ -448,6 +462,7 @@ exit 1
     cluster.node_cpus.cache_clear()
 
 
+@pytest.mark.cli
 def test_missing_s3fs_for_an_s3_url_is_one_line_naming_it(tmp_path, small_corpus):
     """s3fs missing and trainer.snapshot_path=s3://...: one `error:` line naming s3fs and the pip
     command for this interpreter (not `pip install -e`, which would re-resolve torch), exit 2."""

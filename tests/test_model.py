@@ -1,9 +1,12 @@
 """The GPT module: causality, initial loss, optimizer groups, generation, FLOP count."""
 import math
 
+import pytest
 import torch
 
 from mingpt_ddp.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.unit
 
 
 def tiny(**kw) -> GPT:

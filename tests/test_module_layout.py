@@ -3,7 +3,11 @@ count too): each module can be read, tested and replaced on its own."""
 import ast
 from pathlib import Path
 
+import pytest
+
 from conftest import REPO
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = REPO / "mingpt_ddp"
 

@@ -55,6 +55,7 @@ def resolve(tmp_path: Path, **settings: str) -> tuple[str, str]:
     return topology[0], proc.stdout
 
 
+@pytest.mark.dist
 def test_topology_resolution(tmp_path):
     """What multinode.sh derives from its environment: workers per GPU (CUDA_VISIBLE_DEVICES,
     else `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count, first node, job id
@@ -99,6 +100,7 @@ def test_topology_resolution(tmp_path):
     assert bad.returncode == 1 and "NNODES=two" in bad.stderr, bad.stderr
 
 
+@pytest.mark.cli
 def test_two_machines_with_different_process_counts_started_apart(tmp_path, small_corpus):
     """Machine A (1 process) starts, machine B (2 processes, same HEAD_NODE and NNODES=2,
     no RUN_ID: the default is derived from HEAD_NODE and the port, so both agree) starts
@@ -145,6 +147,7 @@ def test_two_machines_with_different_process_counts_started_apart(tmp_path, smal
     assert (tmp_path / "run" / "snapshot.pt").exists()
 
 
+@pytest.mark.dist
 def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path, small_corpus):
     """A machine pointed at a head where nothing answers (a loopback address and port with no
     listener: tests send traffic to 127.0.0.0/8 only) does not hang:
@@ -168,6 +171,7 @@ def test_unreachable_head_fails_within_the_timeout_with_a_clear_message(tmp_path
     assert not re.search(r"Traceback", err), err
 
 
+@pytest.mark.cli
 def test_preflight_reports_what_the_workers_see_and_their_transport(tmp_path):
     """PREFLIGHT=only: each node's line gives the FI_*/NCCL_* variables as the workers see
     them (a value set outside the launcher, as a container image's ENV, included), and the
@@ -201,6 +205,7 @@ except Exception as exc:
 '''
 
 
+@pytest.mark.dist
 def test_the_agents_store_failures_print_no_cpp_frames():
     """The agent (mingpt_ddp.torchrun) imports torch with c10's log at FATAL: a store call that
     fails when the rendezvous host goes away reaches Python as one exception, without c10d's

@@ -8,9 +8,10 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.muon import Muon, orthogonalize
 from test_config import composed
-from test_run_edges import expect_config_error
+from test_rank_agreement import expect_config_error
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_updates_are_nearly_orthogonal_in_the_runs_precision(shape, dtype):
@@ -24,6 +25,7 @@ def test_updates_are_nearly_orthogonal_in_the_runs_precision(shape, dtype):
     assert 0.5 < singular.min() and singular.max() < 1.35, singular
 
 
+@pytest.mark.unit
 def test_block_matrices_go_to_muon_and_the_rest_to_adamw():
     model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=32))
     optimizer = model.configure_optimizer(1e-3, 0.1, (0.9, 0.95), "cpu", muon_lr=0.02)
@@ -38,6 +40,7 @@ def test_block_matrices_go_to_muon_and_the_rest_to_adamw():
     assert groups[2][1]["lr_scale"] == pytest.approx(20.0)
 
 
+@pytest.mark.unit
 def test_muon_steps_lower_the_loss():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
@@ -53,6 +56,7 @@ def test_muon_steps_lower_the_loss():
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.unit
 def test_muon_is_refused_under_fsdp_with_the_fix_named():
     cfg = composed("optimizer=muon", "trainer.strategy=fsdp")
     with pytest.raises(ConfigError, match="use trainer.strategy=ddp with muon, or optimizer.name=adamw"):
@@ -65,6 +69,7 @@ def train(run_dir, corpus, *extra):
     return output(proc)
 
 
+@pytest.mark.cli
 def test_a_muon_run_resumes_bit_identical_and_another_optimizer_is_refused(tmp_path, small_corpus):
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(straight, small_corpus, "optimizer=muon", "trainer.max_steps=8")

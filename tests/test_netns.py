@@ -19,7 +19,7 @@ from conftest import PYTHON, REPO, TINY
 from netns_hosts import Network
 from test_multimachine import PROBE, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 MULTINODE = REPO / "launch" / "multinode.sh"
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO, TORCHRUN, output
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 
 SCENARIOS = ["init", "collectives", "accumulation", "compiled:ddp", "compiled:fsdp", "parity:bf16"]

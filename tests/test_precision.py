@@ -9,6 +9,8 @@ import torch
 from mingpt_ddp import precision
 from mingpt_ddp.model import GPT, GPTConfig
 
+pytestmark = pytest.mark.unit
+
 
 def tiny_model(n_embd: int = 32) -> GPT:
     torch.manual_seed(0)

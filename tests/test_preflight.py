@@ -3,7 +3,11 @@ naming the first rank (and its node) that saw one. Real processes under torchrun
 import os
 import subprocess
 
+import pytest
+
 from conftest import REPO, TORCHRUN, output
+
+pytestmark = pytest.mark.dist
 
 
 def preflight(nproc: int, faulty_ranks: str) -> subprocess.CompletedProcess:

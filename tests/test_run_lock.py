@@ -19,7 +19,7 @@ import pytest
 
 from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, run_cli, s3_options
 from test_fault_tolerance import metrics_lines, wait_for
-from test_run_edges import expect_config_error, must_pass
+from test_rank_agreement import expect_config_error, must_pass
 
 JOB_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -144,6 +144,7 @@ needs_pid_namespaces = pytest.mark.skipif(not can_make_pid_namespaces(),
 
 
 # ---- the basics ---------------------------------------------------------------------------
+@pytest.mark.dist
 def test_a_live_run_is_refused_a_dead_one_replaced_and_the_lock_removed_at_the_end(tmp_path, no_job):
     from mingpt_ddp.errors import ConfigError
 
@@ -176,6 +177,7 @@ def test_a_live_run_is_refused_a_dead_one_replaced_and_the_lock_removed_at_the_e
         new_lock(url).acquire()
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("where", ["local", "local-without-flock", pytest.param("moto_s3", marks=pytest.mark.slow)])
 def test_a_sigkilled_holder_is_replaced_at_once(where, tmp_path, request, no_job):
     """Local disks: the kernel dropped its lock. Without a kernel lock (S3, or a mount
@@ -195,6 +197,7 @@ def test_a_sigkilled_holder_is_replaced_at_once(where, tmp_path, request, no_job
 
 
 # ---- item 2: a live holder in another PID namespace on this host -------------------------
+@pytest.mark.s3
 @pytest.mark.slow
 @needs_pid_namespaces
 @pytest.mark.parametrize("where", ["local", "moto_s3"])
@@ -219,6 +222,7 @@ def test_a_live_run_in_another_pid_namespace_on_this_host_is_not_taken_over(wher
 
 
 # ---- item 3: the same Slurm job id ---------------------------------------------------------
+@pytest.mark.cli
 def test_a_live_step_of_the_same_slurm_job_is_refused(tmp_path, no_job):
     """Two srun steps of one allocation share SLURM_JOB_ID: two runs, not a restart."""
     from mingpt_ddp.errors import ConfigError
@@ -238,6 +242,7 @@ def test_a_live_step_of_the_same_slurm_job_is_refused(tmp_path, no_job):
         lock.release()
 
 
+@pytest.mark.s3
 @pytest.mark.slow
 def test_s3_lease_of_the_same_job_is_taken_over_only_by_a_later_restart(moto_s3, no_job):
     from mingpt_ddp.errors import ConfigError
@@ -259,6 +264,7 @@ def test_s3_lease_of_the_same_job_is_taken_over_only_by_a_later_restart(moto_s3,
 
 
 # ---- item 3: taking over a stale lock is atomic ---------------------------------------------
+@pytest.mark.s3
 @pytest.mark.parametrize("where", ["local", "local-without-flock", "local-without-flock-or-links",
                                    pytest.param("moto_s3", marks=pytest.mark.slow),
                                    pytest.param("seaweedfs", marks=pytest.mark.slow)])
@@ -305,6 +311,7 @@ def test_two_runs_taking_over_one_stale_lock_leave_one_holder(where, tmp_path, r
 
 
 # ---- item 3: what the S3 server receives ------------------------------------------------------
+@pytest.mark.s3
 @pytest.mark.slow
 def test_s3_lease_writes_are_conditional_as_the_server_receives_them(moto_s3, no_job):
     """Creating sends If-None-Match: * (a second creator gets 412 and changes nothing),
@@ -346,6 +353,7 @@ def test_s3_lease_writes_are_conditional_as_the_server_receives_them(moto_s3, no
         third.release()
 
 
+@pytest.mark.unit
 def test_s3_leases_are_refused_without_conditional_writes(no_job, monkeypatch):
     """A botocore too old to send If-None-Match/If-Match (as with s3fs before 2024.12):
     one clear error, not an unconditional PUT."""
@@ -358,6 +366,7 @@ def test_s3_leases_are_refused_without_conditional_writes(no_job, monkeypatch):
 
 
 # ---- item 3: a run that lost its lock stops -----------------------------------------------------
+@pytest.mark.s3
 @pytest.mark.parametrize("where", ["local", pytest.param("moto_s3", marks=pytest.mark.slow)])
 def test_a_lock_taken_from_its_holder_is_reported_lost(where, tmp_path, request, no_job):
     from mingpt_ddp.run_lock import RunLock
@@ -390,6 +399,7 @@ runpy.run_path({main!r}, run_name="__main__")
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_run_that_lost_its_lock_stops_with_one_error(tmp_path, small_corpus, no_job):
     """The lock file is replaced under a training run (removed by hand, then taken by
@@ -424,6 +434,7 @@ def test_a_run_that_lost_its_lock_stops_with_one_error(tmp_path, small_corpus, n
 
 
 # ---- done when: two runs of one job id in one directory, as a user starts them ------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_two_runs_of_one_slurm_job_in_one_directory(tmp_path, small_corpus):
     """Both default to outputs/slurm-<id> (two srun steps of one allocation): the second is
@@ -464,6 +475,7 @@ def test_two_runs_of_one_slurm_job_in_one_directory(tmp_path, small_corpus):
     assert "left by a run that is gone" in text and f"resumed from {run_dir}" in text, text
 
 
+@pytest.mark.unit
 def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_job):
     """The loss is acted on at the next stop agreement; until then the saver already refuses
     to write, so a run that lost its lock never writes beside the new holder."""

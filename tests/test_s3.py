@@ -17,7 +17,7 @@ from mingpt_ddp.snapshot import SnapshotStore, decode
 from s3_servers import ACCESS_KEY, READER_ACCESS_KEY, READER_SECRET_KEY, SECRET_KEY, free_ports
 from test_fault_tolerance import children, metrics_lines, rank_of, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.s3, pytest.mark.slow]
 
 
 def new_bucket(server) -> str:

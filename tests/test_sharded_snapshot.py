@@ -57,6 +57,7 @@ def rewrite_marker(directory: Path, name: str) -> None:
 
 
 # ---- one process, no process group ----------------------------------------------------------
+@pytest.mark.unit
 def test_a_save_is_a_step_directory_published_by_its_marker_and_loads_back(tmp_path):
     store = saved_store(tmp_path, [7])
     directory = tmp_path / "run" / "snapshot.pt.dcp" / "step000000007"
@@ -71,6 +72,7 @@ def test_a_save_is_a_step_directory_published_by_its_marker_and_loads_back(tmp_p
     assert is_sharded(store.url) and not is_sharded(str(tmp_path / "other" / "snapshot.pt"))
 
 
+@pytest.mark.unit
 def test_shards_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
     import mingpt_ddp.sharded_snapshot as sharded_snapshot
 
@@ -82,6 +84,7 @@ def test_shards_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
     store.verify(store.candidates()[0])  # and what was hashed on the way is what is stored
 
 
+@pytest.mark.unit
 def test_keep_last_by_step_never_removing_the_one_just_committed(tmp_path):
     store = saved_store(tmp_path, [5, 10, 100, 20], keep_last=2)  # out of order: newest is the highest step
     assert step_dirs(tmp_path / "run" / "snapshot.pt.dcp") == ["step000000020", "step000000100"]
@@ -92,6 +95,7 @@ def test_keep_last_by_step_never_removing_the_one_just_committed(tmp_path):
     assert step_dirs(tmp_path / "run" / "snapshot.pt.dcp") == ["step000000030", "step000000100"]
 
 
+@pytest.mark.unit
 def test_an_unfinished_directory_is_never_loaded_and_a_later_save_removes_it(tmp_path):
     store = saved_store(tmp_path, [1, 2])
     root = tmp_path / "run" / "snapshot.pt.dcp"
@@ -104,6 +108,7 @@ def test_an_unfinished_directory_is_never_loaded_and_a_later_save_removes_it(tmp
     assert step_dirs(root) == ["step000000001", "step000000003"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("damage", ["flip", "truncate", "missing", "meta missing"])
 def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(tmp_path, caplog, damage):
     store = saved_store(tmp_path, [1, 2])
@@ -136,6 +141,7 @@ def test_a_damaged_shard_falls_back_to_the_previous_snapshot_and_is_moved_aside(
     assert expected in caplog.text
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("marker", ["{not json", "[1, 2]", '{"format": 1, "step": 1, "files": {"../../x": {}}}'])
 def test_every_snapshot_damaged_is_an_error_not_a_fresh_start(tmp_path, marker):
     store = saved_store(tmp_path, [1])
@@ -151,6 +157,7 @@ class RunsCode:
         return (os.system, (f"touch {RunsCode.proof}",))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("crafted", [".metadata", META])
 def test_a_snapshot_crafted_to_run_code_is_refused_even_with_matching_checksums(tmp_path, crafted):
     store = saved_store(tmp_path, [1])
@@ -168,6 +175,7 @@ def test_a_snapshot_crafted_to_run_code_is_refused_even_with_matching_checksums(
     assert not RunsCode.proof.exists()
 
 
+@pytest.mark.unit
 def test_one_save_in_flight_and_the_snapshot_holds_the_state_at_save_time(tmp_path, monkeypatch):
     store = ShardedSnapshotStore(str(tmp_path / "snapshot.pt"))
     monkeypatch.setenv(COMMIT_DELAY_ENV, "1")
@@ -183,6 +191,7 @@ def test_one_save_in_flight_and_the_snapshot_holds_the_state_at_save_time(tmp_pa
     assert torch.equal(target["model"]["w"], state(1)["model"]["w"])  # staged before the change
 
 
+@pytest.mark.unit
 def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     store = saved_store(tmp_path, [1, 2])
     assert store.save(2, state(5), {"train_state": {"step": 2, "again": True}}) is None
@@ -192,6 +201,7 @@ def test_saving_the_same_step_again_replaces_it_whole(tmp_path):
     assert torch.equal(model["w"], state(5)["model"]["w"])
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize("server", ["seaweedfs", "moto_s3"])
 def test_s3_round_trip_in_one_process(request, server):
     s3 = request.getfixturevalue(server)  # DCP's fsspec reader and writer on both servers
@@ -244,6 +254,7 @@ def fsdp_run(tmp_path_factory):
     return path, torch.load(base / "saved.pt", weights_only=True), torch.load(base / "loaded.pt", weights_only=True)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_fsdp_snapshot_loads_back_bit_identical_on_2_ranks(fsdp_run):
     path, saved, loaded = fsdp_run
@@ -254,6 +265,7 @@ def test_fsdp_snapshot_loads_back_bit_identical_on_2_ranks(fsdp_run):
     assert_same_states(saved, loaded)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_2_rank_fsdp_snapshot_loads_resharded_on_1_rank(fsdp_run, tmp_path):
     path, saved, _ = fsdp_run
@@ -263,6 +275,7 @@ def test_a_2_rank_fsdp_snapshot_loads_resharded_on_1_rank(fsdp_run, tmp_path):
     assert_same_states(saved, loaded)
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_group(fsdp_run):
     import torch.distributed as dist
@@ -280,6 +293,7 @@ def test_full_model_state_from_an_fsdp_run_in_one_process_without_a_process_grou
     assert model.lm_head.weight is model.wte.weight
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_used(fsdp_run, tmp_path):
     import shutil
@@ -298,6 +312,7 @@ def test_a_corrupted_shard_is_detected_by_the_ranks_and_the_previous_snapshot_us
     assert any(n.startswith("step000000003.corrupt") for n in step_dirs(copy_root / "snapshot.pt.dcp"))
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_rank0_killed_between_the_shards_and_the_commit_leaves_the_previous_snapshot(tmp_path):
     path = tmp_path / "run" / "snapshot.pt"
@@ -328,6 +343,7 @@ def test_rank0_killed_between_the_shards_and_the_commit_leaves_the_previous_snap
     assert meta["train_state"]["step"] == 1 and "wte.weight" in model_state
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_save_failing_on_one_rank_is_not_committed_and_every_rank_hears_why(tmp_path):
     path = tmp_path / "run" / "snapshot.pt"
@@ -342,6 +358,7 @@ def test_a_save_failing_on_one_rank_is_not_committed_and_every_rank_hears_why(tm
     assert [Path(c).name for c in ShardedSnapshotStore(str(path)).candidates()] == ["step000000001"]
 
 
+@pytest.mark.s3
 @pytest.mark.slow
 def test_fsdp_snapshots_on_s3_round_trip_bit_identical(seaweedfs, tmp_path):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
@@ -366,6 +383,7 @@ def wait_until_retrying(handle, caplog):
         time.sleep(0.1)
 
 
+@pytest.mark.s3
 def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(seaweedfs, caplog):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)
@@ -383,6 +401,7 @@ def test_a_save_failing_while_the_store_is_down_is_retried_in_the_background(sea
     assert store.latest_meta()[0]["train_state"]["step"] == 2
 
 
+@pytest.mark.s3
 def test_a_save_that_cannot_work_fails_at_once_with_the_reason(seaweedfs, caplog):
     url = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/snapshot.pt"
     store = ShardedSnapshotStore(url, storage_options=s3_options(seaweedfs), save_retry_minutes=5)
@@ -391,6 +410,7 @@ def test_a_save_that_cannot_work_fails_at_once_with_the_reason(seaweedfs, caplog
     assert error and "step000000001" in error and "retrying" not in caplog.text
 
 
+@pytest.mark.s3
 def test_a_newer_save_replaces_one_waiting_to_be_retried(seaweedfs, caplog):
     bucket = f"dcp-{uuid.uuid4().hex[:8]}"
     seaweedfs.make_bucket(bucket)

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import REPO, TINY, output
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 CLUSTER_SH = REPO / "tests" / "slurm_cluster.sh"
 MULTINODE = REPO / "launch" / "multinode.sh"

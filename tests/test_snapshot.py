@@ -10,6 +10,8 @@ import torch
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.snapshot import CorruptSnapshot, SnapshotStore, decode, encode
 
+pytestmark = pytest.mark.unit
+
 
 def state(step: int) -> dict:
     return {"model": {"w": torch.full((4, 4), float(step))}, "train_state": {"step": step}, "vocab": "ab"}

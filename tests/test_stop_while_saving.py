@@ -11,6 +11,8 @@ import pytest
 
 from mingpt_ddp.preemption import StopRequest
 
+pytestmark = pytest.mark.dist
+
 
 class Clock:
     def __init__(self):

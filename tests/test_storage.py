@@ -24,12 +24,14 @@ def state(step: int) -> dict:
 
 
 # ---- secrets ---------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["key", "secret", "token", "password", "aws_secret_access_key", "session_token",
                                   "account_key", "sas_token", "client_secret", "connection_string", "credentials"])
 def test_secret_looking_option_names(name):
     assert storage.is_secret_name(name)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", ["profile", "anon", "endpoint_url", "region_name", "client_kwargs", "requester_pays",
                                   "sse_kms_key_id", "default_block_size", "use_ssl"])
 def test_ordinary_option_names(name):
@@ -43,6 +45,7 @@ def cfg_with(trainer_options=None, data_options=None, snapshot_path=None):
     })
 
 
+@pytest.mark.unit
 def test_literal_secrets_are_found_but_environment_interpolations_and_flags_are_not():
     cfg = cfg_with(
         {"secret": "${oc.env:S3_SECRET}", "key": "${oc.env:S3_KEY}", "anon": False, "profile": "ml",
@@ -55,6 +58,7 @@ def test_literal_secrets_are_found_but_environment_interpolations_and_flags_are_
                      ("trainer.snapshot_path", "hunter22")]
 
 
+@pytest.mark.unit
 def test_a_literal_secret_is_refused_by_name_and_scrubbed_from_hydra_files(tmp_path):
     hydra_dir = tmp_path / ".hydra"
     hydra_dir.mkdir()
@@ -74,6 +78,7 @@ def test_a_literal_secret_is_refused_by_name_and_scrubbed_from_hydra_files(tmp_p
     assert OmegaConf.load(hydra_dir / "config.yaml").trainer.storage_options.profile == "ml"
 
 
+@pytest.mark.unit
 def test_stored_config_and_log_lines_have_resolved_secrets_redacted(monkeypatch, caplog):
     monkeypatch.setenv("S3_SECRET_FOR_TEST", "resolved-secret-0123")
     cfg = cfg_with({"secret": "${oc.env:S3_SECRET_FOR_TEST}", "profile": "ml"})
@@ -102,6 +107,7 @@ def tracked_cfg(tracking_uri):
     return cfg
 
 
+@pytest.mark.unit
 def test_a_literal_password_in_any_url_valued_key_is_refused_and_scrubbed(tmp_path):
     """logger.mlflow.tracking_uri is a URL like data.path: its user-info is a credential."""
     hydra_dir = tmp_path / ".hydra"
@@ -123,6 +129,7 @@ def test_a_literal_password_in_any_url_valued_key_is_refused_and_scrubbed(tmp_pa
         ("logger.mlflow.tracking_uri", "bob")]  # an HTTP user name alone is a token
 
 
+@pytest.mark.unit
 def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_run_references(
         tmp_path, monkeypatch, caplog):
     from mingpt_ddp import loggers
@@ -152,6 +159,7 @@ def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_r
     assert os.environ["MLFLOW_TRACKING_USERNAME"] == "alice" and os.environ["MLFLOW_TRACKING_PASSWORD"] == "p@ss-word"
 
 
+@pytest.mark.unit
 def test_the_redacting_filter_never_raises():
     """A malformed log call in any library must not raise into the training loop."""
     handler = logging.StreamHandler()
@@ -167,6 +175,7 @@ def test_the_redacting_filter_never_raises():
         logger.removeHandler(handler)
 
 
+@pytest.mark.unit
 def test_urls_are_named_by_their_location_and_listed_children_keep_their_host():
     assert storage.location("https://u:p@h.example.com/a/b.txt?X-Amz-Signature=s#frag") == "https://h.example.com/a/b.txt"
     assert storage.location("sftp://alice:pw@host/data/x.txt") == "sftp://alice@host/data/x.txt"
@@ -195,6 +204,7 @@ def test_urls_are_named_by_their_location_and_listed_children_keep_their_host():
         "simplecache::memory://corpus/a.txt"  # the chained cache stays
 
 
+@pytest.mark.unit
 def test_an_unset_environment_variable_is_a_config_error():
     cfg = cfg_with({"secret": "${oc.env:MINGPT_SURELY_UNSET_VAR}"})
     with pytest.raises(ConfigError, match="trainer.storage_options"):
@@ -213,6 +223,7 @@ class FakeClock:
         self.now += seconds
 
 
+@pytest.mark.unit
 def test_transient_failures_are_retried_with_backoff_until_the_limit():
     clock, calls = FakeClock(), []
 
@@ -237,6 +248,7 @@ def test_transient_failures_are_retried_with_backoff_until_the_limit():
     assert storage.retry_transient(flaky, "reading", minutes=1.0, clock=clock, sleep=clock.sleep) == "ok"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("error", [FileNotFoundError("no bucket"), PermissionError("denied")])
 def test_permanent_failures_are_not_retried(error):
     calls = []
@@ -266,6 +278,7 @@ class FlakyStore(SnapshotStore):
         return super().save(blob, step)
 
 
+@pytest.mark.unit
 def test_saver_retries_a_failed_write_in_the_background_until_it_lands(tmp_path, caplog, monkeypatch):
     monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([0.05] * 1000))
     store = FlakyStore(str(tmp_path / "snapshot.pt"))
@@ -283,6 +296,7 @@ def test_saver_retries_a_failed_write_in_the_background_until_it_lands(tmp_path,
     assert f"saving snapshot {tmp_path}/snapshot.step000000007.pt failed (ConnectionError: Could not connect" in caplog.text
 
 
+@pytest.mark.unit
 def test_saver_reports_failure_past_the_limit_and_a_success_resets_it(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([0.01] * 100000))
     clock = FakeClock()
@@ -302,6 +316,7 @@ def test_saver_reports_failure_past_the_limit_and_a_success_resets_it(tmp_path, 
     assert saver.wait() is None and not saver.failed
 
 
+@pytest.mark.unit
 def test_a_newer_snapshot_replaces_one_waiting_to_be_retried(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "backoff_delays", lambda first, cap: iter([3600.0] * 10))
     store = FlakyStore(str(tmp_path / "snapshot.pt"))
@@ -326,6 +341,7 @@ def s3(request):
     return server, bucket
 
 
+@pytest.mark.s3
 def test_s3_store_keeps_last_k_and_finds_the_newest_by_step(s3):
     server, bucket = s3
     store = SnapshotStore(f"s3://{bucket}/runs/exp1/snapshot.pt", keep_last=2, storage_options=s3_options(server))
@@ -338,6 +354,7 @@ def test_s3_store_keeps_last_k_and_finds_the_newest_by_step(s3):
     assert loaded["train_state"]["step"] == 100 and where == f"s3://{bucket}/runs/exp1/snapshot.step000000100.pt"
 
 
+@pytest.mark.s3
 def test_s3_listing_cache_never_hides_what_another_process_wrote(s3):
     """Two filesystem instances stand for two processes: the reader listed before the
     writer saved, and must still see the new snapshot (fsspec caches listings)."""
@@ -354,6 +371,7 @@ def test_s3_listing_cache_never_hides_what_another_process_wrote(s3):
         "snapshot.step000000002.pt", "snapshot.pt", "snapshot.step000000001.pt"]
 
 
+@pytest.mark.s3
 def test_a_truncated_object_is_skipped_on_s3(s3):
     server, bucket = s3
     store = SnapshotStore(f"s3://{bucket}/r/snapshot.pt", keep_last=5, storage_options=s3_options(server))
@@ -365,6 +383,7 @@ def test_a_truncated_object_is_skipped_on_s3(s3):
     assert loaded["train_state"]["step"] == 2 and where.endswith("snapshot.step000000002.pt")
 
 
+@pytest.mark.s3
 def test_a_missing_bucket_is_an_error_and_is_not_created(moto_s3):
     options = s3_options(moto_s3)
     store = SnapshotStore("s3://no-such-bucket-mingpt/run/snapshot.pt", storage_options=options)
@@ -374,6 +393,7 @@ def test_a_missing_bucket_is_an_error_and_is_not_created(moto_s3):
     assert "no-such-bucket-mingpt" not in [b["Name"] for b in moto_s3.client().list_buckets()["Buckets"]]
 
 
+@pytest.mark.s3
 def test_read_only_credentials_fail_the_write_check(seaweedfs):
     bucket = f"ro-{uuid.uuid4().hex[:12]}"
     seaweedfs.make_bucket(bucket)
@@ -384,6 +404,7 @@ def test_read_only_credentials_fail_the_write_check(seaweedfs):
     assert store.load_latest() is None  # but reading works
 
 
+@pytest.mark.unit
 def test_an_unreachable_store_is_a_clear_error_after_bounded_retries():
     port = free_ports(1)[0]  # nothing listens there
     options = {"key": "k", "secret": "s" * 8, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"},
@@ -396,6 +417,7 @@ def test_an_unreachable_store_is_a_clear_error_after_bounded_retries():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.s3
 def test_remote_data_is_copied_to_the_node_cache_once_and_again_when_it_changes(s3, tmp_path, caplog):
     server, bucket = s3
     options = s3_options(server)

@@ -53,6 +53,7 @@ def corpus_of(token_file, cache, val_fraction=0.1):
 
 
 # ---- the token cache ------------------------------------------------------------------------
+@pytest.mark.unit
 def test_parquet_and_jsonl_shards_as_characters_are_their_documents_joined_by_newlines(shards, tmp_path):
     root, docs = shards
     made = prepare(root, tmp_path / "cache")
@@ -64,6 +65,7 @@ def test_parquet_and_jsonl_shards_as_characters_are_their_documents_joined_by_ne
     assert glob_made.length == len("\n".join(docs[:40]))
 
 
+@pytest.mark.unit
 def test_bpe_token_file_split_and_training_side(shards, tmp_path):
     root, docs = shards
     made = prepare(root, tmp_path / "cache", kind="bpe", vocab_size=300, val_fraction=0.1)
@@ -85,6 +87,7 @@ def test_bpe_token_file_split_and_training_side(shards, tmp_path):
     assert other.name != made.name and token_cache.load_tokenizer(other, tmp_path / "cache").size == 280
 
 
+@pytest.mark.unit
 def test_bpe_never_sees_the_validation_text(tmp_path):
     train_part, val_part = "the cat sat on the mat. " * 400, "zyzzyva quokka " * 100
     (tmp_path / "t.txt").write_text(train_part + val_part)
@@ -96,12 +99,14 @@ def test_bpe_never_sees_the_validation_text(tmp_path):
     assert len(tok.encode(" the mat")) <= 2
 
 
+@pytest.mark.unit
 def test_a_bad_column_is_one_error_naming_the_file(shards, tmp_path):
     root, _ = shards
     with pytest.raises(ConfigError, match=r"a.parquet has no column 'body'.*data.text_column"):
         prepare(root, tmp_path / "cache", text_column="body")
 
 
+@pytest.mark.unit
 def test_gpt2_encodes_through_the_cache(tmp_path, monkeypatch, small_corpus):
     from test_tokenizer import gpt2_in_cache
 
@@ -117,6 +122,7 @@ def test_gpt2_encodes_through_the_cache(tmp_path, monkeypatch, small_corpus):
 
 
 # ---- bits per byte in the trainer -------------------------------------------------------------
+@pytest.mark.unit
 def test_val_bpb_for_characters_is_the_loss_in_bits_per_byte(small_corpus, tmp_path):
     corpus = CharCorpus(small_corpus.read_text(encoding="utf-8") + "é" * 50, 0.1)
     from mingpt_ddp.metrics import MetricsLog
@@ -134,6 +140,7 @@ def test_val_bpb_for_characters_is_the_loss_in_bits_per_byte(small_corpus, tmp_p
     assert record["val_bpb"] == pytest.approx(val_loss * len(targets) / (math.log(2) * nbytes), rel=1e-6)
 
 
+@pytest.mark.unit
 def test_val_bpb_for_bpe_leaves_end_of_text_out(shards, tmp_path):
     root, _ = shards
     made = prepare(root, tmp_path / "cache", kind="bpe", vocab_size=300)
@@ -156,6 +163,7 @@ def test_val_bpb_for_bpe_leaves_end_of_text_out(shards, tmp_path):
 
 
 # ---- the whole product ------------------------------------------------------------------------
+@pytest.mark.cli
 def test_a_bpe_run_on_shards_round_trips_its_tokenizer_through_snapshot_resume_sample_and_export(shards, tmp_path):
     root, _ = shards
     run = tmp_path / "run"
@@ -199,6 +207,7 @@ def test_a_bpe_run_on_shards_round_trips_its_tokenizer_through_snapshot_resume_s
     assert hf.encode("ROMEO: wherefore", add_special_tokens=False).ids == tok.encode("ROMEO: wherefore").tolist()
 
 
+@pytest.mark.cli
 def test_prepare_encodes_ahead_of_the_job(tmp_path, small_corpus):
     cache = tmp_path / "cache"
     args = [f"data.path={small_corpus}", f"data.cache_dir={cache}", "data.tokenizer=bpe", "data.vocab_size=290"]
@@ -234,6 +243,7 @@ if os.environ.get("ENCODE_SPY"):
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_shared_cache_is_encoded_once_by_one_of_two_nodes(tmp_path, small_corpus):
     """Two torchrun agents on this host stand for two nodes with data.cache_dir on storage
@@ -266,6 +276,7 @@ def test_a_shared_cache_is_encoded_once_by_one_of_two_nodes(tmp_path, small_corp
 
 
 # ---- the shared cache's lock ------------------------------------------------------------------
+@pytest.mark.unit
 def test_the_cache_lock_makes_a_second_process_wait_and_a_dead_ones_lock_is_taken_over(tmp_path, monkeypatch, caplog):
     import threading
     import time
@@ -296,6 +307,7 @@ def test_the_cache_lock_makes_a_second_process_wait_and_a_dead_ones_lock_is_take
     assert events[-2:] == ["third in", "third out"] and "node9 pid 4242" in caplog.text
 
 
+@pytest.mark.unit
 def test_the_final_evaluation_is_bounded_by_default_and_the_whole_split_on_request(small_corpus):
     corpus = CharCorpus(small_corpus.read_text(encoding="utf-8"), 0.5)  # 20,000 characters: 1,249 windows of 16
     trainer = make_trainer(corpus)  # batch 4, the default trainer.final_eval_batches
@@ -304,6 +316,7 @@ def test_the_final_evaluation_is_bounded_by_default_and_the_whole_split_on_reque
     assert make_trainer(corpus, final_eval_batches=None).eval_windows(final=True) == 1249
 
 
+@pytest.mark.s3
 def test_shards_on_s3_give_the_tokens_of_their_local_copies(shards, tmp_path, moto_s3):
     from conftest import s3_options
 

@@ -21,6 +21,7 @@ def summary_rows(sweep_dir):
         return list(csv.DictReader(f))
 
 
+@pytest.mark.dist
 def test_a_2x2_sweep_under_torchrun_gives_four_independent_points(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", "model=gpt-nano,gpt-micro", *FIXED, "trainer.max_steps=10",
@@ -46,6 +47,7 @@ def test_a_2x2_sweep_under_torchrun_gives_four_independent_points(tmp_path, smal
     assert (sweep / "summary.md").read_text().count("| completed |") == 4
 
 
+@pytest.mark.cli
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "model.n_embd=48,50,96", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
@@ -60,6 +62,7 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_pa
     assert stop.returncode == 2 and not (tmp_path / "stop" / "1").exists()
 
 
+@pytest.mark.dist
 def test_a_restart_mid_sweep_skips_finished_points_and_resumes_the_interrupted_one(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=1", MAIN, "-m",
@@ -85,6 +88,7 @@ def test_a_restart_mid_sweep_skips_finished_points_and_resumes_the_interrupted_o
     assert [r["status"] for r in summary_rows(sweep)] == ["completed"] * 3
 
 
+@pytest.mark.cli
 def test_plot_of_a_two_point_sweep_is_a_real_png(tmp_path, small_corpus):
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "optimizer.lr=1e-3,3e-3", *FIXED, "trainer.max_steps=20", "trainer.eval_every=5",
@@ -101,6 +105,7 @@ def test_plot_of_a_two_point_sweep_is_a_real_png(tmp_path, small_corpus):
     assert (sweep / "losses.png").is_file() and "![losses](losses.png)" in (sweep / "summary.md").read_text()
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("how", ["SIGUSR1 to one worker", "SIGTERM to torchrun"])
 def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, small_corpus, how):
     """Slurm's preemption warning (SIGUSR1) or a SIGTERM during point 0: that point saves a
@@ -139,6 +144,7 @@ def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, 
         assert "Traceback" not in text, text
 
 
+@pytest.mark.unit
 def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
     """result.json (and the summary.csv built from it) never holds a URL's credentials."""
     from mingpt_ddp import sweep

@@ -6,10 +6,13 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, read_metrics
 from mingpt_ddp.time_budget import CALIBRATION_STEPS, TimeBudget
 
 
+@pytest.mark.unit
 def test_the_plan_fits_what_is_left_of_the_budget_after_calibrating():
     now = [0.0]
     budget = TimeBudget(10, clock=lambda: now[0])  # 600 s
@@ -28,6 +31,7 @@ def test_the_plan_fits_what_is_left_of_the_budget_after_calibrating():
     assert slow.plan(3) == 3
 
 
+@pytest.mark.unit
 def test_calibration_ends_after_enough_steps_even_on_a_long_budget():
     now = [0.0]
     budget = TimeBudget(600, clock=lambda: now[0])
@@ -37,6 +41,7 @@ def test_calibration_ends_after_enough_steps_even_on_a_long_budget():
     assert budget.plan(CALIBRATION_STEPS) is not None
 
 
+@pytest.mark.dist
 def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.path={small_corpus}", "trainer.max_epochs=1000", "trainer.time_budget_minutes=0.4",

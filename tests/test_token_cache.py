@@ -46,6 +46,7 @@ def make_trainer(corpus, metrics=None, **trainer_kw):
 
 
 # ---- the same results as before ------------------------------------------------------------
+@pytest.mark.unit
 def test_token_file_gives_todays_vocabulary_split_windows_order_and_losses_bit_for_bit(shakespeare, tmp_path):
     old = todays_corpus(shakespeare.read_bytes())
     new, token_file = load(shakespeare, tmp_path / "cache")
@@ -70,6 +71,7 @@ def test_token_file_gives_todays_vocabulary_split_windows_order_and_losses_bit_f
     assert trainers[0].evaluate() == trainers[1].evaluate()
 
 
+@pytest.mark.unit
 def test_characters_split_between_chunks_are_decoded_and_encoded_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 7)  # every multi-byte character straddles some boundary
     text = ("naïve café, 東京 ☃ 𝄞 done.\n" * 50 + "plain ascii tail " * 20).encode()
@@ -79,6 +81,7 @@ def test_characters_split_between_chunks_are_decoded_and_encoded_exactly(tmp_pat
     assert new.vocab == old.vocab and torch.equal(new.tokens.long(), old.tokens.long())
 
 
+@pytest.mark.unit
 def test_more_than_256_characters_use_uint16_ids(tmp_path):
     text = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 300)).encode() * 3
     (tmp_path / "cjk.txt").write_bytes(text)
@@ -99,6 +102,7 @@ def write_parts(directory):
     (directory / "sub" / "nested.txt").write_text("never read: QRS")
 
 
+@pytest.mark.unit
 def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, caplog):
     write_parts(tmp_path / "corpus")
     with caplog.at_level(logging.WARNING):
@@ -110,6 +114,7 @@ def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, 
     assert "\n" in some.vocab.chars  # the separator is a character of the vocabulary
 
 
+@pytest.mark.s3
 def test_directory_and_glob_on_s3(seaweedfs, tmp_path):
     bucket = f"corpus-{uuid.uuid4().hex[:10]}"
     seaweedfs.make_bucket(bucket)
@@ -132,6 +137,7 @@ def test_directory_and_glob_on_s3(seaweedfs, tmp_path):
 
 
 # ---- the cache -------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_corpus, monkeypatch):
     (tmp_path / "text.txt").write_bytes(small_corpus.read_bytes())
     cache = tmp_path / "cache"
@@ -167,6 +173,7 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     assert first.name not in left and with_vocab.name not in left and third.name in left
 
 
+@pytest.mark.unit
 def test_nodes_with_their_own_copy_of_one_path_share_a_cache_without_deleting_each_others_files(
         tmp_path, small_corpus):
     """Per-node copies of the text at the same path (other modification times) and one
@@ -188,6 +195,7 @@ def test_nodes_with_their_own_copy_of_one_path_share_a_cache_without_deleting_ea
     assert again.encode_s is None and again.name == node_a.name
 
 
+@pytest.mark.unit
 def test_other_text_under_the_same_path_size_and_mtime_is_never_taken_for_the_cached_one(tmp_path):
     """Name, size and modification time do not decide what a file holds (a per-node copy
     made with preserved times, an image built with fixed mtimes): the cache must not hand
@@ -202,6 +210,7 @@ def test_other_text_under_the_same_path_size_and_mtime_is_never_taken_for_the_ca
     assert second.vocab.decode(second.tokens[:8]) == "hgfedcba"
 
 
+@pytest.mark.unit
 def test_a_token_file_that_is_missing_at_open_is_explained_by_what_happened(tmp_path, small_corpus):
     cache = tmp_path / "cache"
     made = token_cache.prepare(str(small_corpus), None, {}, str(cache), 0.0)
@@ -216,6 +225,7 @@ def test_a_token_file_that_is_missing_at_open_is_explained_by_what_happened(tmp_
 
 
 # ---- bad input -------------------------------------------------------------------------------
+@pytest.mark.unit
 def test_bytes_that_are_not_utf8_name_the_file_and_the_offset(tmp_path, monkeypatch):
     monkeypatch.setattr(token_cache, "CHUNK_BYTES", 1000)
     (tmp_path / "d").mkdir()
@@ -228,6 +238,7 @@ def test_bytes_that_are_not_utf8_name_the_file_and_the_offset(tmp_path, monkeypa
         load(tmp_path / "cut.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_a_directory_or_glob_that_matches_no_file(tmp_path):
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ConfigError, match="the directory matches no file"):
@@ -238,6 +249,7 @@ def test_a_directory_or_glob_that_matches_no_file(tmp_path):
         load(tmp_path / "missing.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_empty_files(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("")
@@ -248,18 +260,21 @@ def test_empty_files(tmp_path):
         load(tmp_path / "d" / "a.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_more_distinct_characters_than_uint16_ids_hold(tmp_path):
     (tmp_path / "wide.txt").write_bytes("".join(chr(c) for c in range(0x10000, 0x10000 + 65_537)).encode())
     with pytest.raises(ConfigError, match="has 65,537 distinct characters, more than the 65,536"):
         load(tmp_path / "wide.txt", tmp_path / "cache")
 
 
+@pytest.mark.unit
 def test_a_cache_directory_that_is_not_writable(tmp_path, small_corpus):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError, match="cannot write the token cache in data.cache_dir=.*a_file"):
         load(small_corpus, tmp_path / "a_file")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("during", ["find_characters", "write_ids"])
 def test_a_source_that_changes_while_being_encoded(tmp_path, monkeypatch, during):
     path = tmp_path / "growing.txt"
@@ -278,6 +293,7 @@ def test_a_source_that_changes_while_being_encoded(tmp_path, monkeypatch, during
     assert not [n for n in os.listdir(tmp_path / "cache" / "tokens") if n.endswith(("uint8", "uint16"))]
 
 
+@pytest.mark.cli
 def test_bad_inputs_from_the_command_line_are_one_error_line(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "a.txt").write_text("fine text\n" * 500)
@@ -290,6 +306,7 @@ def test_bad_inputs_from_the_command_line_are_one_error_line(tmp_path):
 
 
 # ---- the batch copy to an accelerator (issue 12, finding 3) ------------------------------------
+@pytest.mark.unit
 def test_batches_reach_the_gpu_as_one_pinned_contiguous_copy_of_the_token_dtype(shakespeare, monkeypatch):
     """With a CUDA device, each micro-batch is gathered as one contiguous (B, T+1) uint8
     block, pinned, copied once non-blocking, and only then widened and shifted."""
@@ -325,6 +342,7 @@ def test_batches_reach_the_gpu_as_one_pinned_contiguous_copy_of_the_token_dtype(
 
 
 # ---- evaluation on big corpora ---------------------------------------------------------------
+@pytest.mark.unit
 def test_periodic_evaluations_are_bounded_and_the_final_one_reads_the_whole_split(shakespeare, tmp_path):
     corpus = todays_corpus(shakespeare.read_bytes())  # 4,000 validation characters: 249 windows of 16
     metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=0)
@@ -339,6 +357,7 @@ def test_periodic_evaluations_are_bounded_and_the_final_one_reads_the_whole_spli
 
 
 # ---- a big corpus under torchrun -------------------------------------------------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_a_60mb_corpus_trains_under_torchrun_with_bounded_memory(tmp_path, shakespeare):
     """Before token files each process held ~14 bytes per character (0.85 GB for 60 MB on
@@ -379,6 +398,7 @@ def two_nodes(tmp_path, name, data_path, node_env, wrap=lambda node, cmd: cmd):
     return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare(1): each node gets a private mount namespace")
@@ -427,6 +447,7 @@ def test_nodes_may_keep_their_own_copies_of_the_text_and_caches_but_not_other_te
     assert "read another text for data.path=" in "".join(text for _, text in other)
 
 
+@pytest.mark.cli
 def test_a_resume_encodes_the_text_with_the_snapshots_larger_vocabulary(tmp_path, small_corpus):
     wide, narrow = tmp_path / "wide.txt", tmp_path / "narrow.txt"
     wide.write_text(small_corpus.read_text() + "~{}" * 20)

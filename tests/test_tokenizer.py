@@ -16,6 +16,8 @@ from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import bits_per_byte, window_loss_sums
 
+pytestmark = pytest.mark.unit
+
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\n"
         "Über naïve café — 東京 ☃ 𝄞 and emoji 🙂 at the end.\r\nDigits 12345 and  double  spaces.\n") * 20
 

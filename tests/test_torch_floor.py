@@ -21,6 +21,7 @@ FLOOR = ".".join(map(str, dependencies.TORCH_FLOOR))
 
 
 # ---- one floor -------------------------------------------------------------------------------
+@pytest.mark.unit
 @pytest.mark.parametrize("version, release", [
     ("2.9.0", (2, 9, 0)), ("2.9.1+cu128", (2, 9, 1)), ("2.9.0a0+git1f2e3d4", (2, 9, 0)), ("2.10.0.dev20250101+cpu", (2, 10, 0)),
     ("2.13.0+cpu", (2, 13, 0)), ("2.8.0", (2, 8, 0)), ("2.5.1+cu124", (2, 5, 1)), ("3.0.0rc1", (3, 0, 0)),
@@ -29,6 +30,7 @@ def test_release_of_a_torch_version(version, release):
     assert dependencies.release(version) == release
 
 
+@pytest.mark.unit
 def test_versions_below_the_floor_are_refused_and_the_floor_and_above_pass():
     for ok in ("2.9.0", "2.9.0a0+gitabc", "2.10.1", "3.0.0"):
         assert dependencies.torch_too_old_message(ok) is None, ok
@@ -37,6 +39,7 @@ def test_versions_below_the_floor_are_refused_and_the_floor_and_above_pass():
         assert message and f"torch>={FLOOR}" in message and old in message and "\n" not in message
 
 
+@pytest.mark.unit
 def test_the_floor_is_the_same_in_pyproject_the_dependency_check_the_image_and_the_readme():
     pyproject = (REPO / "pyproject.toml").read_text()
     assert f'"torch>={FLOOR}"' in pyproject
@@ -48,6 +51,7 @@ def test_the_floor_is_the_same_in_pyproject_the_dependency_check_the_image_and_t
     assert base[0].split("=", 1)[1] in readme  # the README names the image the Dockerfile uses
 
 
+@pytest.mark.unit
 def test_the_installed_torch_has_the_apis_the_floor_stands_for():
     """What tests/setup.sh installs has them (what 2.8 lacks: DefaultStager, StagingOptions)."""
     from torch.distributed import broadcast_object_list
@@ -73,6 +77,7 @@ def python_with_torch(root: Path, version: str) -> Path:
     return python
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("command", [[MAIN, "trainer.max_steps=1"], ["-m", "mingpt_ddp.bench", "peak"],
                                      ["-m", "mingpt_ddp.sample", "outputs/none"]])
 def test_an_older_torch_is_one_line_naming_the_torch_needed(tmp_path, command):
@@ -90,6 +95,7 @@ def test_an_older_torch_is_one_line_naming_the_torch_needed(tmp_path, command):
     assert not (tmp_path / "outputs").exists()  # nothing ran: not even Hydra's run directory
 
 
+@pytest.mark.cli
 def test_the_floor_itself_passes_the_gate(tmp_path):
     from test_launch import clean_env
 
@@ -100,6 +106,7 @@ def test_the_floor_itself_passes_the_gate(tmp_path):
 
 
 # ---- private torch APIs: a fallback, checked against torch's own -----------------------------
+@pytest.mark.unit
 def test_dcp_metadata_file_name_matches_torchs_private_helper(tmp_path):
     """sharded_snapshot reads DCP's index by name; torch's private _get_metadata_path is the
     reference. If torch drops or renames it, this fails: check metadata_file_name then."""
@@ -113,6 +120,7 @@ def test_dcp_metadata_file_name_matches_torchs_private_helper(tmp_path):
         assert Path(reader._get_metadata_path(rank)).name == metadata_file_name(rank)
 
 
+@pytest.mark.unit
 def test_dcp_fsspec_reader_and_writer_are_where_sharded_snapshots_import_them():
     """Public classes in a private module: without them only local snapshot paths work."""
     from mingpt_ddp import sharded_snapshot
@@ -125,6 +133,7 @@ def test_dcp_fsspec_reader_and_writer_are_where_sharded_snapshots_import_them():
     assert isinstance(writer.fs, sharded_snapshot._HashingFileSystem), "DCP's writer has no `fs`: shards are read back"
 
 
+@pytest.mark.unit
 def test_sharded_snapshots_use_no_private_dcp_module_but_the_fsspec_one():
     source = (REPO / "mingpt_ddp" / "sharded_snapshot.py").read_text()
     private = set(re.findall(r"torch\.distributed\.checkpoint\.(_\w+)", source))
@@ -143,6 +152,7 @@ class RunsCode:
         return self
 
 
+@pytest.mark.unit
 def test_optimizer_entries_that_are_not_plain_data_are_refused(tmp_path, capsys):
     """DCP unpickles non-tensor entries with plain pickle; they must pass weights_only first."""
     from mingpt_ddp.errors import ConfigError
@@ -163,6 +173,7 @@ def test_optimizer_entries_that_are_not_plain_data_are_refused(tmp_path, capsys)
     assert target["optimizer"]["param_groups"] == [{"lr": 0.5, "betas": (0.9, 0.95)}]
 
 
+@pytest.mark.unit
 def test_private_torch_names_with_a_fallback_are_still_there():
     """Each is used behind a fallback (getattr / ImportError); a torch that drops one degrades
     quietly there, so it is checked here."""
@@ -173,6 +184,7 @@ def test_private_torch_names_with_a_fallback_are_still_there():
     assert callable(maybe_warm_pool) and callable(AsyncCompile.warm_pool)
 
 
+@pytest.mark.unit
 def test_dcp_metadata_pickles_only_names_the_safe_unpickler_knows(tmp_path):
     """The restricted unpickler allows DCP's own private types by name (_StorageInfo,
     _MEM_FORMAT_ENCODING): a save and load round trip proves the names still match."""

@@ -43,6 +43,7 @@ def assert_same_series(logged, expected):
     assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
 
 
+@pytest.mark.cli
 def test_mlflow_file_store_holds_the_run_and_a_resume_continues_it(tmp_path, small_corpus, monkeypatch):
     mlflow_tracking = pytest.importorskip("mlflow.tracking")
     run_dir = tmp_path / "run"
@@ -92,6 +93,7 @@ def test_mlflow_file_store_holds_the_run_and_a_resume_continues_it(tmp_path, sma
     assert again.info.run_id == run.info.run_id and [s for s, _ in history(again, "train_loss")][-1] == 25
 
 
+@pytest.mark.cli
 def test_mlflow_tracking_uri_from_the_environment(tmp_path, small_corpus, monkeypatch):
     mlflow_tracking = pytest.importorskip("mlflow.tracking")
     run_dir, store = tmp_path / "run", tmp_path / "store"
@@ -104,6 +106,7 @@ def test_mlflow_tracking_uri_from_the_environment(tmp_path, small_corpus, monkey
     assert len(runs) == 1 and [m.step for m in client.get_metric_history(runs[0].info.run_id, "train_loss")] == [5]
 
 
+@pytest.mark.cli
 def test_mlflow_in_a_sweep_one_store_with_a_run_per_point(tmp_path, small_corpus, monkeypatch):
     mlflow_tracking = pytest.importorskip("mlflow.tracking")
     sweep = tmp_path / "sweep"
@@ -117,6 +120,7 @@ def test_mlflow_in_a_sweep_one_store_with_a_run_per_point(tmp_path, small_corpus
     assert sorted((r.info.run_name, r.data.params["trainer.seed"]) for r in runs) == [("sweep/0", "1"), ("sweep/1", "2")]
 
 
+@pytest.mark.cli
 def test_an_unreachable_mlflow_server_is_a_clear_error(tmp_path, small_corpus):
     pytest.importorskip("mlflow")
     import socket
@@ -191,6 +195,7 @@ def assert_password_nowhere(text, *directories):
                 assert MLFLOW_PASSWORD.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.cli
 def test_mlflow_credentials_in_a_tracking_uri_are_used_but_never_shown_or_stored(tmp_path, small_corpus,
                                                                                  mlflow_server, monkeypatch):
     """In MLFLOW_TRACKING_URI, or logger.mlflow.tracking_uri from the environment: the run
@@ -259,6 +264,7 @@ def wandb_history(run_file):
     return rows
 
 
+@pytest.mark.cli
 def test_wandb_offline_directory_holds_the_run_and_tensorboard_runs_beside_it(tmp_path, small_corpus):
     pytest.importorskip("wandb")
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -289,6 +295,7 @@ def test_wandb_offline_directory_holds_the_run_and_tensorboard_runs_beside_it(tm
     assert [h["step"] for h in wandb_history(later) if "train_loss" in h] == [15]
 
 
+@pytest.mark.dist
 def test_a_missing_tracker_is_one_clear_error_on_every_rank_before_training(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     env = tracked_env(PYTHONPATH=str(REPO / "tests" / "without_modules"), MINGPT_TEST_WITHOUT="mlflow")
@@ -302,6 +309,7 @@ def test_a_missing_tracker_is_one_clear_error_on_every_rank_before_training(tmp_
     assert f'File "{REPO / "mingpt_ddp"}' not in text and not (run_dir / "metrics.jsonl").exists()
 
 
+@pytest.mark.cli
 def test_profiler_trace_of_a_window_of_steps_on_rank_0(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     text = train(run_dir, small_corpus, "trainer.profile=true", "trainer.profile_steps=[3,6]", "trainer.max_steps=8")
@@ -318,6 +326,7 @@ def test_profiler_trace_of_a_window_of_steps_on_rank_0(tmp_path, small_corpus):
     assert bad.returncode == 2 and "error: trainer.profile_steps=[5, 5] must be [first, last]" in output(bad)
 
 
+@pytest.mark.cli
 def test_wandb_online_without_credentials_is_a_clear_error(tmp_path, small_corpus):
     pytest.importorskip("wandb")
     env = tracked_env(HOME=str(tmp_path / "home"), WANDB_MODE="online")  # no API key, no ~/.netrc

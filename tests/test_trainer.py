@@ -11,6 +11,8 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.trainer import Trainer, lr_at
 
+pytestmark = pytest.mark.unit
+
 SINGLE = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
                              device=torch.device("cpu"), backend="gloo")
 

@@ -8,6 +8,8 @@ import pytest
 from mingpt_ddp import sweep
 from mingpt_ddp.plot import plot_runs
 
+pytestmark = pytest.mark.unit
+
 
 def fake_point(directory, override, val_bpb):
     directory.mkdir(parents=True)

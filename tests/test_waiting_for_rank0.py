@@ -35,6 +35,7 @@ class FailingDirectory:
         self.away.rename(self.path)
 
 
+@pytest.mark.dist
 def test_a_save_retried_longer_than_the_collective_timeout_does_not_time_out_the_other_ranks(tmp_path, small_corpus):
     """Training collectives time out after 12 s; rank 0's last save keeps failing for longer
     (retried, trainer.save_retry_minutes=2) while rank 1 waits for it; then the store heals and
@@ -94,6 +95,7 @@ def run_wait(tmp_path: Path, wait_minutes: float, work_s: float) -> str:
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.dist
 def test_waiting_for_rank_0_outlasts_the_collective_timeout_and_is_bounded_by_its_own(tmp_path):
     """distributed.wait_for_main with a 3 s collective timeout: 8 s of rank-0 work are waited
     for; with a 0.1-minute wait for rank 0, 30 s of work end rank 1's wait after 6 s with one

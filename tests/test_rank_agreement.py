@@ -1,19 +1,14 @@
-"""Issue 11: the edges of long cluster runs, each with real processes where it matters:
-ranks resuming different snapshots, the run's global batch over resizes, static graph with
-accumulation, retention next to damaged files, sweeps failing on some ranks, sampling
-options, URL secrets, seeding, unwritable run directories, exiting cleanly. (One live run
-per run directory: test_run_lock.py.)"""
+"""Every rank of a run agrees, with real torchrun workers: on the snapshot resumed, on parameters at
+the end, on the global batch over elastic resizes, on refusing a static graph with accumulation,
+on a sweep point failing on one rank, and on exiting cleanly."""
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, run_cli
 from test_fault_tolerance import children, metrics_lines, wait_for
@@ -49,6 +44,7 @@ def expect_config_error(proc, *phrases):
 
 
 # ---- 1. every rank resumes from the same snapshot ------------------------------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_corpus):
     per_rank = f"trainer.snapshot_path={tmp_path}/snap_${{oc.env:RANK}}/snapshot.pt"  # each rank its own "disk"
@@ -61,6 +57,7 @@ def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_
     assert load_snapshot(tmp_path / "snap_0" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_parameters_that_differ_at_the_end_are_an_error(tmp_path, small_corpus):
     """Rank 1's weights really differ (nudged after training, in our code, not torch's)."""
@@ -114,6 +111,7 @@ def plan_of(text):
     return line.split("global batch ")[1].split(" x ")[0], line.rsplit("; ", 1)[1]
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_global_batch_and_plan_survive_2_1_1_2_workers(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
@@ -132,6 +130,7 @@ def test_global_batch_and_plan_survive_2_1_1_2_workers(tmp_path, small_corpus):
 
 
 # ---- 3. DDP static graph with gradient accumulation ------------------------------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_static_graph_with_accumulation_is_refused_before_training(tmp_path, small_corpus):
     proc = run_cli(args(tmp_path / "run", small_corpus, "trainer.ddp_static_graph=true",
@@ -140,6 +139,7 @@ def test_static_graph_with_accumulation_is_refused_before_training(tmp_path, sma
     assert not list((tmp_path / "run").glob("snapshot*.pt"))
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_static_graph_refused_when_an_elastic_resume_turns_accumulation_on(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
@@ -150,24 +150,8 @@ def test_static_graph_refused_when_an_elastic_resume_turns_accumulation_on(tmp_p
     assert load_snapshot(run_dir / "snapshot.pt")["train_state"]["step"] == 2
 
 
-# ---- 4. retention next to a damaged snapshot -------------------------------------------------
-def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
-    from mingpt_ddp.snapshot import SnapshotStore, encode
-
-    store = SnapshotStore(str(tmp_path / "snapshot.pt"), keep_last=2)
-    for step in (10, 20):
-        store.save(encode({"step": torch.tensor(step)}, step), step)
-    damaged = tmp_path / "snapshot.step000000020.pt"
-    damaged.write_bytes(damaged.read_bytes()[:-10])  # the run then resumes from step 10
-    store.save(encode({"step": torch.tensor(15)}, 15), 15)
-    names = sorted(p.name for p in tmp_path.iterdir())
-    assert "snapshot.step000000015.pt" in names and "snapshot.step000000010.pt" in names, names
-    assert "snapshot.step000000020.pt.corrupt" in names and "snapshot.step000000020.pt" not in names, names
-    state, where = store.load_latest()
-    assert int(state["step"]) == 15 and where.endswith("snapshot.step000000015.pt")
-
-
 # ---- 5. a sweep point failing on some ranks only ---------------------------------------------
+@pytest.mark.dist
 @pytest.mark.slow
 def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path, small_corpus):
     # A per-rank cache directory: rank 1 alone finds its node's token cache elsewhere (as a
@@ -180,115 +164,6 @@ def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path,
     results = [json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")]
     assert [r["status"] for r in results] == ["failed", "failed"], results
     assert all("on rank(s) 1 of 2" in r["error"] and "this process's data.cache_dir" in r["error"] for r in results)
-
-
-# ---- 9. sampling options ---------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_snapshot(tmp_path_factory):
-    from mingpt_ddp.model import GPT, GPTConfig
-    from mingpt_ddp.snapshot import encode
-
-    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0)
-    path = tmp_path_factory.mktemp("sample") / "snapshot.pt"
-    path.write_bytes(encode({"vocab": "\nabcd", "model_config": dict(vars(cfg)),
-                             "model": GPT(cfg).state_dict()}, 1))
-    return path
-
-
-@pytest.mark.parametrize("option, phrase", [("top_k=0", "top_k=0 must be at least 1"),
-                                            ("top_k=-1", "top_k=-1 must be at least 1"),
-                                            ("temperature=-1", "temperature=-1.0 must be >= 0"),
-                                            ("max_new_tokens=-5", "max_new_tokens=-5 must be >= 0")])
-def test_bad_sampling_options_are_one_clear_error(tiny_snapshot, option, phrase):
-    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", str(tiny_snapshot), "prompt=ab", option],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
-    expect_config_error(proc, phrase)
-
-
-def test_temperature_zero_is_greedy(tiny_snapshot):
-    outs = {subprocess.run([PYTHON, "-m", "mingpt_ddp.sample", str(tiny_snapshot), "prompt=ab", "temperature=0",
-                            "max_new_tokens=20", f"seed={seed}"], capture_output=True, text=True, timeout=60,
-                           cwd=REPO).stdout for seed in (0, 1)}
-    assert len(outs) == 1 and len(next(iter(outs))) == 23
-
-
-# ---- 10. credentials in URL query strings ------------------------------------------------------
-def serving(url):
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(url, timeout=1).read(1)
-        return True
-    except OSError:
-        return False
-
-
-def test_url_query_secrets_are_used_but_never_shown_or_stored(tmp_path, small_corpus):
-    served = tmp_path / "served"
-    served.mkdir()
-    (served / "input.txt").write_bytes(small_corpus.read_bytes())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    secrets = ("AKIASECRETCRED77", "SIGNATURE0123abcdef", "SESSIONTOKEN999", "tok42xyz")
-    url = (f"http://127.0.0.1:{port}/input.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={secrets[0]}"
-           f"&X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}&token={secrets[3]}")
-    try:
-        wait_for(lambda: serving(f"http://127.0.0.1:{port}/input.txt"), 30, "the HTTP server")
-        run_dir, target = tmp_path / "run", tmp_path / "data" / "text.txt"
-        proc = run_cli(args(run_dir, target, "trainer.max_steps=2", f"data.download_url='{url}'"))
-    finally:
-        server.terminate()
-        server.wait()
-    text = must_pass(proc)
-    assert target.read_bytes() == small_corpus.read_bytes()  # the real URL was read
-    assert "X-Amz-Signature=<redacted>" in text
-    written = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
-    for secret in secrets:
-        assert secret not in text
-        for path in written:
-            assert secret.encode() not in path.read_bytes(), path
-    stored = load_snapshot(run_dir / "snapshot.pt")["config"]["data"]["download_url"]
-    assert "X-Amz-Signature=<redacted>" in stored and stored.startswith(f"http://127.0.0.1:{port}/input.txt?")
-
-
-# ---- 11. seeding -------------------------------------------------------------------------------
-def test_a_seeds_next_epoch_is_not_the_next_seeds_epoch():
-    from mingpt_ddp.char_dataset import ResumableDistributedSampler, WindowDataset
-
-    windows = WindowDataset(torch.arange(10_000), 10)
-
-    def order(seed, epoch):
-        sampler = ResumableDistributedSampler(windows, 1, 0, seed)
-        sampler.set_epoch(epoch)
-        return list(sampler)
-
-    assert order(7, 1) != order(8, 0) and order(7, 2) != order(9, 0)
-    assert order(7, 1) == order(7, 1)  # still deterministic
-
-
-def test_measuring_peak_flops_leaves_the_global_rng_alone():
-    from mingpt_ddp import metrics
-
-    metrics._PEAK_CACHE.clear()
-    torch.manual_seed(5)
-    before = torch.get_rng_state()
-    metrics.measured_peak_flops(torch.device("cpu"), torch.float32, seconds=0.05)
-    assert torch.equal(torch.get_rng_state(), before)
-
-
-# ---- 12. unwritable run or sweep directory ------------------------------------------------------
-@pytest.mark.parametrize("override, key", [(["hydra.run.dir=/proc/x/y"], "hydra.run.dir"),
-                                           (["-m", "hydra.sweep.dir=/proc/x/y", "trainer.seed=1,2"],
-                                            "hydra.sweep.dir")])
-def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, override, key):
-    start = time.monotonic()
-    proc = run_cli([*override, *TINY, f"data.path={small_corpus}"], cwd=tmp_path, timeout=60)
-    expect_config_error(proc, "/proc/x/y", f"set {key}=")
-    assert "FileNotFoundError" not in output(proc) and time.monotonic() - start < 30
 
 
 # ---- 13. a finished run exits cleanly --------------------------------------------------------------
@@ -304,6 +179,7 @@ threading._register_atexit(_probe)  # runs when the main thread is done, before 
 """
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_quick_two_worker_runs_exit_cleanly_in_a_loop(tmp_path, small_corpus):
     """The process group is gone and no thread is left when Python starts shutting down,

@@ -1,0 +1,265 @@
+"""How a rank finds its device, process group, collective timeout, rendezvous host, CPU threads and
+GPU-only defaults, tested on CPU: patched device counts, names and capabilities, Slurm
+environments, and real torchrun workers with gloo where processes have to take part."""
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, TINY, TORCHRUN, output, run_cli
+from mingpt_ddp import config, distributed, metrics, precision
+from mingpt_ddp.errors import ConfigError
+
+
+# ---- finding 1: the device of a rank -----------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.parametrize("visible, local_rank, expected", [
+    (8, 3, 3),  # torchrun: every worker sees the node's 8 GPUs
+    (1, 5, 0),  # srun --gpus-per-task=1: each task sees its own GPU as cuda:0
+    (4, 6, 2),  # two tasks per GPU
+])
+def test_device_is_local_rank_modulo_visible_gpus(monkeypatch, visible, local_rank, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    device, backend = distributed.pick_device(local_rank)
+    assert device == torch.device("cuda", expected) and device.index == expected and backend == "nccl"
+
+
+@pytest.mark.unit
+def test_process_group_is_bound_to_the_gpu_only_on_cuda():
+    cuda = torch.device("cuda", 2)
+    assert distributed.process_group_options(cuda) == {"device_id": cuda}
+    assert distributed.process_group_options(torch.device("cpu")) == {}
+
+
+@pytest.mark.dist
+def test_a_config_error_on_rank_1_only_is_printed_by_rank_1_and_ends_the_job_fast(tmp_path, small_corpus):
+    """A per-rank cache directory: rank 1 alone sees a data.cache_dir other than its node's
+    local rank 0 and raises. Before the fix rank 1 exited 2 without a word."""
+    start = time.monotonic()
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=2",
+                    f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}"], nproc=2, timeout=120)
+    elapsed = time.monotonic() - start
+    text = output(proc)
+    assert proc.returncode != 0, text
+    # Every rank stops with it (a sweep must not go on with one rank missing), printed once and
+    # naming the rank that hit it.
+    assert text.count(f"error: on rank(s) 1 of 2: this process's data.cache_dir is {tmp_path}/cache_1 but this "
+                      f"node's local rank 0 used {tmp_path}/cache_0") == 1, text
+    assert "done:" not in text
+    assert elapsed < 60, f"{elapsed:.0f} s"
+
+
+@pytest.mark.dist
+def test_an_error_every_rank_hits_is_printed_once(tmp_path, small_corpus):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "data.block_size=5000"],
+                   nproc=2, timeout=120)
+    text = output(proc)
+    assert proc.returncode != 0
+    assert text.count("error: data.block_size=5000 is larger than the validation split") == 1, text
+    assert "[rank 1] error" not in text, text  # rank 0 speaks for an error it hit too
+
+
+@pytest.mark.unit
+def test_rank_0_speaks_for_an_error_every_rank_hit_even_when_another_rank_counts_first(monkeypatch):
+    """The store decides who prints: rank 0 always prints its own error; another rank stays
+    quiet once rank 0 has reported the same message, and speaks after a grace period only if
+    rank 0 never does (an error of its own)."""
+    store = torch.distributed.HashStore()
+    monkeypatch.setattr(distributed, "_store", store)
+    monkeypatch.setattr(distributed, "_current", None)
+    monkeypatch.setenv("RANK", "1")
+    started = time.monotonic()
+    assert distributed.first_to_report("only mine", rank0_grace_s=0.3)  # rank 0 never reports it
+    assert time.monotonic() - started >= 0.3
+    assert not distributed.first_to_report("only mine", rank0_grace_s=0.3)  # printed already
+    monkeypatch.setenv("RANK", "0")
+    assert distributed.first_to_report("everyone's")
+    monkeypatch.setenv("RANK", "1")
+    assert not distributed.first_to_report("everyone's", rank0_grace_s=0.3)
+
+
+# ---- finding 2: the collective timeout -----------------------------------------------------
+def trainer_cfg(**values):
+    base = {"save_retry_minutes": 15.0, "load_retry_minutes": 2.0, "collective_timeout_minutes": 5.0}
+    return type("T", (), {**base, **values})()
+
+
+@pytest.mark.unit
+def test_collective_timeout_is_minutes_and_waits_for_rank_0_cover_its_retries():
+    """The training group's timeout no longer has to outlast rank 0's save retries (the
+    others wait for those in the store, tests/test_rank0_waits.py)."""
+    assert config.TrainerConfig().collective_timeout_minutes == 5.0
+    assert config.collective_timeout_minutes(trainer_cfg()) == 5.0
+    assert config.collective_timeout_minutes(trainer_cfg(collective_timeout_minutes=0.5)) == 0.5
+    assert config.rank0_wait_minutes(trainer_cfg()) == 20.0
+    assert config.rank0_wait_minutes(trainer_cfg(save_retry_minutes=1, load_retry_minutes=10)) == 15.0
+    with pytest.raises(ConfigError, match=r"trainer.collective_timeout_minutes=0 must be positive"):
+        config.collective_timeout_minutes(trainer_cfg(collective_timeout_minutes=0))
+
+
+@pytest.mark.cli
+def test_a_collective_timeout_that_is_not_positive_is_one_clear_error(tmp_path, small_corpus):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}",
+                    "trainer.collective_timeout_minutes=0"], timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in output(proc), output(proc)
+    assert output(proc).count("error: trainer.collective_timeout_minutes=0.0 must be positive") == 1, output(proc)
+
+
+STALLED_BARRIER = textwrap.dedent("""
+    import os, sys, time
+    from mingpt_ddp import distributed
+    dist = distributed.setup(timeout_minutes=float(sys.argv[1]))
+    if dist.rank == 1:
+        time.sleep(60)  # never joins the barrier
+        sys.exit(0)
+    start = time.monotonic()
+    try:
+        distributed.barrier()
+    except Exception as exc:
+        print(f"barrier gave up after {time.monotonic() - start:.1f} s: {type(exc).__name__}", flush=True)
+        os._exit(3)
+    print("barrier passed", flush=True)
+""")
+
+
+@pytest.mark.dist
+def test_the_collective_timeout_reaches_the_process_group(tmp_path):
+    """setup(timeout_minutes) is what init_process_group gets: a barrier that one rank never
+    joins gives up after it (0.1 min here), not after the 30-minute default."""
+    script = tmp_path / "stall.py"
+    script.write_text(STALLED_BARRIER)
+    start = time.monotonic()
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), "0.1"], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    assert "barrier gave up after" in text, text
+    seconds = float(text.split("barrier gave up after ")[1].split(" s")[0])
+    assert 4 <= seconds < 40, text
+    assert time.monotonic() - start < 100
+
+
+# ---- finding 10: bf16 on GPUs that only emulate it -----------------------------------------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    def make(capability, name="Tesla V100-SXM2-32GB"):
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    return make
+
+
+@pytest.mark.unit
+def test_bf16_is_refused_on_a_gpu_that_only_emulates_it(fake_gpu):
+    fake_gpu((7, 0))
+    with pytest.raises(ConfigError, match=r"Tesla V100-SXM2-32GB \(sm_70\) only emulates bf16.*trainer.precision=fp16"):
+        precision.resolve("bf16", torch.device("cuda", 0))
+    assert precision.resolve("auto", torch.device("cuda", 0)).name == "fp16"
+
+
+@pytest.mark.unit
+def test_bf16_is_accepted_on_ampere_and_newer(fake_gpu):
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
+    assert precision.resolve("bf16", torch.device("cuda", 0)).name == "bf16"
+    assert precision.resolve("auto", torch.device("cuda", 0)).name == "bf16"
+
+
+# ---- finding 11: the rendezvous host under plain srun ----------------------------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("nodelist, first", [
+    ("gpu-[007-008]", "gpu-007"),
+    ("gpu-[010,003-004],cpu1", "gpu-010"),
+    ("n1,n2", "n1"),
+    ("rack[2-3]-node[05-06]", "rack2-node05"),
+    ("node17", "node17"),
+    ("", "127.0.0.1"),
+])
+def test_first_host_of_a_slurm_hostlist(nodelist, first):
+    assert distributed.first_hostname(nodelist) == first
+
+
+@pytest.mark.unit
+def test_a_step_on_a_subset_of_nodes_dials_its_own_first_node(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(var, "")  # recorded, so what read_topology exports is undone after the test
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu-[001-004]")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "gpu-[003-004]")
+    for var, value in dict(SLURM_PROCID="1", SLURM_LOCALID="0", SLURM_STEP_NUM_TASKS="2", SLURM_STEP_ID="0",
+                           SLURM_STEP_TASKS_PER_NODE="1(x2)", SLURM_NODEID="1", SLURM_JOB_ID="77").items():
+        monkeypatch.setenv(var, value)
+    assert distributed.read_topology() == (1, 0, 2, 1)
+    assert os.environ["MASTER_ADDR"] == "gpu-003"
+
+
+# ---- issue 11 item 7: CPU threads per process -------------------------------------------------
+@pytest.mark.dist
+@pytest.mark.parametrize("env, affinity, node_cores, local_world, threads", [
+    ({"TORCHELASTIC_RUN_ID": "x"}, 16, 16, 2, 8),  # torchrun: workers share one mask
+    ({"SLURM_PROCID": "0", "SLURM_CPUS_PER_TASK": "8"}, 8, 32, 4, 8),  # srun, bound: the task's own cores
+    ({"SLURM_PROCID": "0", "SLURM_CPUS_PER_TASK": "8"}, 32, 32, 4, 8),  # srun, unbound: its share
+    ({"SLURM_PROCID": "0"}, 8, 32, 4, 8),  # srun binding without --cpus-per-task
+    ({"SLURM_PROCID": "0"}, 32, 32, 4, 8),  # srun --cpu-bind=none, whole node
+    ({"SLURM_PROCID": "0", "TORCHELASTIC_RUN_ID": "x", "SLURM_CPUS_PER_TASK": "32"}, 32, 64, 8, 4),  # torchrun in srun
+    ({}, 4, 4, 1, 4),  # alone
+])
+def test_cpu_threads_are_not_divided_twice(monkeypatch, env, affinity, node_cores, local_world, threads):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(affinity)))
+    monkeypatch.setattr(os, "cpu_count", lambda: node_cores)
+    assert distributed.cpu_threads_per_process(local_world, env) == threads
+
+
+@pytest.mark.dist
+def test_each_process_logs_its_thread_count(tmp_path, small_corpus):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=1"],
+                   nproc=2, timeout=180)
+    text = output(proc)
+    assert proc.returncode == 0, text
+    for rank in (0, 1):
+        assert f"rank {rank} (local {rank} of 2): cpu, " in text and "CPU threads" in text, text
+
+
+# ---- issue 23 item 13: smaller GPU settings ------------------------------------------------------
+@pytest.mark.unit
+def test_gpt2_preset_trains_without_dropout_as_its_throughput_runs_do():
+    from omegaconf import OmegaConf
+
+    assert OmegaConf.load(REPO / "conf" / "model" / "gpt2.yaml").dropout == 0.0
+
+
+@pytest.mark.unit
+def test_the_peak_probe_gives_its_gpu_memory_back(monkeypatch):
+    """Only rank 0 measures: what the probe's matrices leave in the caching allocator would
+    be ~0.9 GB that rank 0 alone lacks all run."""
+    events = []
+    monkeypatch.setattr(metrics, "matmul_flops", lambda device, dtype, n, seconds, *rows: events.append(("probe", n)) or 1e12)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append(("empty_cache",)))
+    metrics._PEAK_CACHE.pop(("cuda:0", torch.bfloat16, torch.get_num_threads(), False, ()), None)
+    assert metrics.measured_peak_flops(torch.device("cuda", 0), torch.bfloat16) == 1e12
+    assert events[-1] == ("empty_cache",) and [e for e in events if e[0] == "probe"]
+    events.clear()
+    metrics.measured_peak_flops(torch.device("cpu"), torch.float32)
+    assert ("empty_cache",) not in events
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("value, device, minutes", [
+    (None, "cuda", config.GPU_SNAPSHOT_EVERY_MINUTES), (None, "cpu", None), (0, "cuda", None), (0.0, "cpu", None),
+    (5, "cuda", 5.0), (2.5, "cpu", 2.5),
+])
+def test_time_based_snapshots_default_on_gpus_only(value, device, minutes):
+    assert config.snapshot_every_minutes(trainer_cfg(snapshot_every_minutes=value), device) == minutes
+
+
+@pytest.mark.cli
+def test_a_negative_snapshot_interval_is_refused(tmp_path, small_corpus):
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}",
+                    "trainer.snapshot_every_minutes=-1"], timeout=120)
+    assert proc.returncode == 2 and "trainer.snapshot_every_minutes=-1.0 must be >= 0" in output(proc), output(proc)

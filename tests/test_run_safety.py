@@ -1,0 +1,117 @@
+"""One run's safety edges: retention never deletes the snapshot just written, credentials in URL
+query strings are used but never shown or stored, seed streams do not overlap, and an unwritable
+run directory is one clear error."""
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import TINY, load_snapshot, output, run_cli
+from test_fault_tolerance import wait_for
+from test_rank_agreement import args, expect_config_error, must_pass
+
+
+# ---- 4. retention next to a damaged snapshot -------------------------------------------------
+@pytest.mark.unit
+def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
+    from mingpt_ddp.snapshot import SnapshotStore, encode
+
+    store = SnapshotStore(str(tmp_path / "snapshot.pt"), keep_last=2)
+    for step in (10, 20):
+        store.save(encode({"step": torch.tensor(step)}, step), step)
+    damaged = tmp_path / "snapshot.step000000020.pt"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # the run then resumes from step 10
+    store.save(encode({"step": torch.tensor(15)}, 15), 15)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "snapshot.step000000015.pt" in names and "snapshot.step000000010.pt" in names, names
+    assert "snapshot.step000000020.pt.corrupt" in names and "snapshot.step000000020.pt" not in names, names
+    state, where = store.load_latest()
+    assert int(state["step"]) == 15 and where.endswith("snapshot.step000000015.pt")
+
+
+# ---- 10. credentials in URL query strings ------------------------------------------------------
+def serving(url):
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(url, timeout=1).read(1)
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.cli
+def test_url_query_secrets_are_used_but_never_shown_or_stored(tmp_path, small_corpus):
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "input.txt").write_bytes(small_corpus.read_bytes())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    secrets = ("AKIASECRETCRED77", "SIGNATURE0123abcdef", "SESSIONTOKEN999", "tok42xyz")
+    url = (f"http://127.0.0.1:{port}/input.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={secrets[0]}"
+           f"&X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}&token={secrets[3]}")
+    try:
+        wait_for(lambda: serving(f"http://127.0.0.1:{port}/input.txt"), 30, "the HTTP server")
+        run_dir, target = tmp_path / "run", tmp_path / "data" / "text.txt"
+        proc = run_cli(args(run_dir, target, "trainer.max_steps=2", f"data.download_url='{url}'"))
+    finally:
+        server.terminate()
+        server.wait()
+    text = must_pass(proc)
+    assert target.read_bytes() == small_corpus.read_bytes()  # the real URL was read
+    assert "X-Amz-Signature=<redacted>" in text
+    written = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
+    for secret in secrets:
+        assert secret not in text
+        for path in written:
+            assert secret.encode() not in path.read_bytes(), path
+    stored = load_snapshot(run_dir / "snapshot.pt")["config"]["data"]["download_url"]
+    assert "X-Amz-Signature=<redacted>" in stored and stored.startswith(f"http://127.0.0.1:{port}/input.txt?")
+
+
+# ---- 11. seeding -------------------------------------------------------------------------------
+@pytest.mark.unit
+def test_a_seeds_next_epoch_is_not_the_next_seeds_epoch():
+    from mingpt_ddp.char_dataset import ResumableDistributedSampler, WindowDataset
+
+    windows = WindowDataset(torch.arange(10_000), 10)
+
+    def order(seed, epoch):
+        sampler = ResumableDistributedSampler(windows, 1, 0, seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    assert order(7, 1) != order(8, 0) and order(7, 2) != order(9, 0)
+    assert order(7, 1) == order(7, 1)  # still deterministic
+
+
+@pytest.mark.unit
+def test_measuring_peak_flops_leaves_the_global_rng_alone():
+    from mingpt_ddp import metrics
+
+    metrics._PEAK_CACHE.clear()
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    metrics.measured_peak_flops(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+# ---- 12. unwritable run or sweep directory ------------------------------------------------------
+@pytest.mark.cli
+@pytest.mark.parametrize("override, key", [(["hydra.run.dir=/proc/x/y"], "hydra.run.dir"),
+                                           (["-m", "hydra.sweep.dir=/proc/x/y", "trainer.seed=1,2"],
+                                            "hydra.sweep.dir")])
+def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, override, key):
+    start = time.monotonic()
+    proc = run_cli([*override, *TINY, f"data.path={small_corpus}"], cwd=tmp_path, timeout=60)
+    expect_config_error(proc, "/proc/x/y", f"set {key}=")
+    assert "FileNotFoundError" not in output(proc) and time.monotonic() - start < 30
+
+
