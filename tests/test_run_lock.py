@@ -498,6 +498,8 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
     second.release()
 
 
+@pytest.mark.cli
+@pytest.mark.slow
 def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreements(tmp_path, small_corpus, no_job):
     """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every epoch: the
     lock is taken from the run after its first snapshot; its next save (an epoch's) stops it
@@ -531,6 +533,7 @@ def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreement
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.unit
 def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_job):
     """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
     learns it from rank 0's commit step) and no step directory is committed."""
@@ -554,6 +557,7 @@ def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_jo
     second.release()
 
 
+@pytest.mark.unit
 def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stopped_beating(tmp_path, no_job):
     """A second torchrun with the same --rdzv_id on another node, refused at restart 0 and
     restarted by its agent (restart 1), must not take the lease of the live first run
@@ -596,6 +600,7 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
     lock.release()
 
 
+@pytest.mark.unit
 def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
     """Another run takes the lease over while its holder renews (right after the holder
     looked at it): the renewal fails and the taker's record stays."""
@@ -624,6 +629,7 @@ def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_pat
     assert len(list(tmp_path.iterdir())) == 1, list(tmp_path.iterdir())  # nothing left aside
 
 
+@pytest.mark.unit
 def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(tmp_path, monkeypatch, no_job):
     """Renewals failing (S3 unreachable): the holder counts its lease lost while its last
     heartbeat is still younger than stale_after_s, before any other run may judge it stale."""

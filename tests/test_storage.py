@@ -439,6 +439,7 @@ def test_remote_data_is_copied_to_the_node_cache_once_and_again_when_it_changes(
     assert sorted(os.listdir(tmp_path / "cache")) == sorted([os.path.basename(local), os.path.basename(local) + ".source"])
 
 
+@pytest.mark.unit
 def test_every_value_of_a_urls_query_is_redacted_whatever_its_name():
     from mingpt_ddp.storage import redact_url_secrets
 

@@ -156,6 +156,7 @@ def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
     assert "bucket/run/snapshot.pt" in text  # still says where the snapshot is
 
 
+@pytest.mark.cli
 def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_writes(tmp_path, small_corpus):
     """Sweep B started in the directory of sweep A while A's point 0 trains: B stops within
     seconds with one error line and exit code 2, and A's files (multirun.yaml, the point's
