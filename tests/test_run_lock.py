@@ -399,35 +399,53 @@ runpy.run_path({main!r}, run_name="__main__")
 """
 
 
+def start_a_losing_run(tmp_path, run_dir, corpus, *overrides):
+    """A training run whose lock heartbeat beats every 0.2 s, logging to loser.log."""
+    script = tmp_path / "loser.py"
+    script.write_text(LOSER.format(main=MAIN))
+    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", *overrides]
+    with open(tmp_path / "loser.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+
+
+def steal_the_lock(run_dir):
+    """Remove the run's lock file (by hand, or a run that thought it stale) and take it."""
+    os.unlink(run_dir / ".snapshot.lock")
+    thief = new_lock(run_dir / "snapshot.pt")
+    thief.acquire()
+    return thief
+
+
+def stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief):
+    """The losing run's log, once it exited 2 with one `error: lost the run lock` line and
+    left the thief's lock alone (then released)."""
+    rc = proc.wait(timeout=60)
+    text = (tmp_path / "loser.log").read_text()
+    assert rc == 2, text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lost the run lock" in errors[0], text
+    assert "Traceback" not in text, text
+    assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
+    thief.release()
+    return text
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_run_that_lost_its_lock_stops_with_one_error(tmp_path, small_corpus, no_job):
     """The lock file is replaced under a training run (removed by hand, then taken by
     another run): at its next stop agreement the run stops on every rank, saves nothing
     more, exits 2 with one error line, and leaves the new owner's lock alone."""
-    script = tmp_path / "loser.py"
-    script.write_text(LOSER.format(main=MAIN))
     run_dir = tmp_path / "run"
-    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}",
-           "trainer.max_epochs=100", "trainer.log_every=2"]
-    with open(tmp_path / "loser.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=100", "trainer.log_every=2")
     try:
         wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "training progress")
-        os.unlink(run_dir / ".snapshot.lock")
-        thief = new_lock(run_dir / "snapshot.pt")
-        thief.acquire()
+        thief = steal_the_lock(run_dir)
         start = time.monotonic()
-        rc = proc.wait(timeout=60)
-        text = (tmp_path / "loser.log").read_text()
-        assert rc == 2, text
+        text = stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief)
         assert time.monotonic() - start < 30, text
-        errors = [line for line in text.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "lost the run lock" in errors[0], text
-        assert "Traceback" not in text and "stopped by" not in text, text
-        assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
-        thief.release()
+        assert "stopped by" not in text, text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -504,30 +522,15 @@ def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreement
     """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every epoch: the
     lock is taken from the run after its first snapshot; its next save (an epoch's) stops it
     on every rank with one error line, and no snapshot is written after the loss."""
-    script = tmp_path / "loser.py"
-    script.write_text(LOSER.format(main=MAIN))
     run_dir = tmp_path / "run"
-    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}",
-           "trainer.max_epochs=200", "trainer.log_every=100000", "trainer.stop_check_seconds=100000",
-           "trainer.save_every=1", "trainer.keep_last=1000"]
-    with open(tmp_path / "loser.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=200", "trainer.log_every=100000",
+                              "trainer.stop_check_seconds=100000", "trainer.save_every=1", "trainer.keep_last=1000")
     try:
         wait_for(lambda: (run_dir / "snapshot.pt").exists(), 120, "a first snapshot")
-        os.unlink(run_dir / ".snapshot.lock")
-        thief = new_lock(run_dir / "snapshot.pt")
-        thief.acquire()
+        thief = steal_the_lock(run_dir)
         saved = {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")}
-        rc = proc.wait(timeout=60)
-        text = (tmp_path / "loser.log").read_text()
-        assert rc == 2, text
-        errors = [line for line in text.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "lost the run lock" in errors[0], text
-        assert "Traceback" not in text, text
+        stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief)
         assert {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")} == saved
-        assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
-        thief.release()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
