@@ -519,12 +519,13 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
 @pytest.mark.cli
 @pytest.mark.slow
 def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreements(tmp_path, small_corpus, no_job):
-    """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every epoch: the
-    lock is taken from the run after its first snapshot; its next save (an epoch's) stops it
-    on every rank with one error line, and no snapshot is written after the loss."""
+    """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every 3 steps and
+    every epoch: the lock is taken from the run after its first snapshot; its next save stops
+    it on every rank with one error line, and no snapshot is written after the loss."""
     run_dir = tmp_path / "run"
     proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=200", "trainer.log_every=100000",
-                              "trainer.stop_check_seconds=100000", "trainer.save_every=1", "trainer.keep_last=1000")
+                              "trainer.stop_check_seconds=100000", "trainer.save_every=1",
+                              "trainer.snapshot_every_steps=3", "trainer.keep_last=1000")
     try:
         wait_for(lambda: (run_dir / "snapshot.pt").exists(), 120, "a first snapshot")
         thief = steal_the_lock(run_dir)
