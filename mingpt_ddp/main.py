@@ -300,7 +300,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     try:
         sharded = not isinstance(store, SnapshotStore)
         if sharded:  # every rank saves its own shard
-            saver = parallel.ShardedSaver(store)
+            saver = parallel.ShardedSaver(store, run_lock=lock)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
@@ -407,6 +407,8 @@ class _EndProcess(BaseException):
 
 
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
+_points_run = 0  # points of this process's sweep so far
+_failed_points: list[str] = []  # those that failed (the same on every rank)
 
 
 def _stop_exit_code(signum: int) -> int:
@@ -432,7 +434,9 @@ def _report_error(message: str) -> None:
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
+    global _points_run
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+    _points_run += in_sweep
     started = time.time()
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
@@ -450,6 +454,7 @@ def main(cfg: DictConfig) -> Optional[float]:
             sys.exit(ConfigError.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
         run_dir = HydraConfig.get().runtime.output_dir
+        _failed_points.append(str(HydraConfig.get().job.num))
     except Exception as exc:
         lost = distributed.communication_failure(exc)
         if lost is None:
@@ -494,6 +499,12 @@ def run() -> None:
         raise
     # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)
+    if _failed_points:  # the sweep went on past them; its exit code still says it is not all done
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {len(_failed_points)} of {_points_run} sweep points failed "
+                  f"(point {', '.join(_failed_points)}): their errors are in the sweep's summary.md",
+                  file=sys.stderr, flush=True)
+        sys.exit(ConfigError.exit_code)
 
 
 if __name__ == "__main__":

@@ -286,10 +286,12 @@ def make_strategy(cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: Prec
 class ShardedSaver:
     """Every rank's side of saving sharded snapshots (sharded_snapshot.py), with
     BackgroundSaver's interface: `submit` stages this rank's shards and returns while they
-    are written in the background; at most one save is in flight."""
+    are written in the background; at most one save is in flight. `run_lock` (rank 0's
+    RunLock): once it is lost, rank 0 commits nothing more and every rank's save fails."""
 
-    def __init__(self, store):
+    def __init__(self, store, run_lock: Any = None):
         self.store = store
+        store.run_lock = run_lock
         self._handle = None
         self._error: Optional[str] = None
         self.last_saved: Optional[str] = None  # the newest committed snapshot directory

@@ -1,4 +1,5 @@
-"""Check the run (or sweep) directory before Hydra writes into it.
+"""Check the run (or sweep) directory before Hydra writes into it; one live sweep per
+sweep directory.
 
 Hydra creates ``hydra.run.dir`` and writes ``.hydra/`` and ``main.log`` there before any
 of our code runs; an unwritable directory (a typo, a read-only mount) would end in three
@@ -7,10 +8,11 @@ conf/config.yaml) runs first and answers with one line naming the key to change.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -46,9 +48,37 @@ def refuse_a_live_run(config: DictConfig) -> None:
     RunLock(SnapshotStore(str(path))).check_free()
 
 
+def take_the_sweep_lock(config: DictConfig) -> Optional[Any]:
+    """One live sweep per sweep directory: before Hydra writes multirun.yaml or any point's
+    files, refuse if a point's run is live there (every rank looks), and let rank 0 hold
+    ``<sweep dir>/.sweep.lock`` (a RunLock) until the sweep ends, so that a second sweep is
+    refused between points too. Returns the lock (rank 0), else None."""
+    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.snapshot import SnapshotStore
+
+    sweep_dir = str(config.hydra.sweep.dir)
+    try:
+        for point in sorted(os.scandir(sweep_dir), key=lambda e: e.name):
+            if point.is_dir():
+                RunLock(SnapshotStore(os.path.join(point.path, "snapshot.pt"))).check_free()
+        if _rank() != 0:  # the other ranks' processes follow rank 0's sweep
+            return None
+        lock = RunLock(SnapshotStore(os.path.join(sweep_dir, "sweep")))
+        lock.acquire()
+    except ConfigError as exc:
+        raise ConfigError(f"another sweep is live in hydra.sweep.dir {sweep_dir}: {exc}; "
+                          "or set hydra.sweep.dir=<another directory>") from None
+    atexit.register(lock.release)  # a sweep ended by a signal or an error too
+    return lock
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
 def _refuse(exc: ConfigError) -> None:
     """Exit as main() does for a ConfigError: one line from rank 0, code 2."""
-    if int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0:
+    if _rank() == 0:
         print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
     sys.exit(ConfigError.exit_code)
 
@@ -68,5 +98,11 @@ class RunDirCheck(Callback):
         storage.redact_logs()
         try:
             check_writable_dir(str(config.hydra.sweep.dir), "hydra.sweep.dir")
+            self._sweep_lock = take_the_sweep_lock(config)
         except ConfigError as exc:
             _refuse(exc)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        lock = getattr(self, "_sweep_lock", None)
+        if lock is not None:
+            lock.release()

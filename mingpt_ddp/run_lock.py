@@ -23,12 +23,14 @@ with host networking share a host name, not a PID namespace) or when its heartbe
 ``STALE_AFTER_S`` old. Taking over compares and swaps what was judged (S3: a PUT with
 ``If-Match`` on the ETag read; files: renaming that very inode aside), so of two runs
 taking over one stale lease exactly one wins. A holder that cannot renew its lease for
-``STALE_AFTER_S`` counts it as lost.
+``STALE_AFTER_S`` less two heartbeats counts it as lost (before another run may take it).
 
-Either way a later launch of the same job takes over at once from the earlier one, which
-its launcher ended first: a Slurm requeue (a higher ``SLURM_RESTART_COUNT``), torchrun
-restarting its workers (a higher ``TORCHELASTIC_RESTART_COUNT``). Two live steps of one
-allocation (the same ``SLURM_JOB_ID``) are two runs.
+Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
+earlier launch, which Slurm ended first. torchrun restarting its workers (a higher
+``TORCHELASTIC_RESTART_COUNT``) on the same machine takes over from the dead pid; on another
+machine, once the earlier restart's lease has missed two heartbeats: a second torchrun with
+the same ``--rdzv_id`` counts restarts too, and its refused first try must not make the
+second a takeover. Two live steps of one allocation (the same ``SLURM_JOB_ID``) are two runs.
 
 A run that loses its lock (the file removed or replaced under it, the lease taken over or
 expired) sees it at its next heartbeat: ``lost`` says why, and the trainer stops every rank
@@ -123,12 +125,15 @@ def ended_by_restart(theirs: Any, mine: dict[str, Any]) -> Optional[str]:
     if mine["slurm_job"]:
         if theirs.get("slurm_restart", 0) < mine["slurm_restart"]:
             return f"Slurm requeued job {mine['slurm_job']} (restart {mine['slurm_restart']})"
-        if theirs.get("slurm_restart", 0) != mine["slurm_restart"] or theirs.get("slurm_step") != mine["slurm_step"]:
-            return None
-    if mine["torchrun"] and theirs.get("torchrun") == mine["torchrun"] \
-            and theirs.get("torchrun_restart", 0) < mine["torchrun_restart"]:
-        return f"torchrun restarted its workers (restart {mine['torchrun_restart']})"
     return None
+
+
+def restarted_by_torchrun(theirs: Any, mine: dict[str, Any]) -> bool:
+    """Whether the owner is an earlier restart of this torchrun run. Not proof that it
+    ended: a second torchrun with the same --rdzv_id on another node counts restarts too
+    (its own, after a refusal), so the owner must also have stopped its heartbeat."""
+    return (isinstance(theirs, dict) and mine["torchrun"] is not None and theirs.get("torchrun") == mine["torchrun"]
+            and theirs.get("torchrun_restart", 0) < mine["torchrun_restart"])
 
 
 def _read_text(path: str) -> Optional[str]:
@@ -257,9 +262,9 @@ if hasattr(os, "register_at_fork"):
 # shows that someone else got there first.
 class _FileLease:
     """A lease file: created whole by a hard link (which fails if the name exists; O_EXCL
-    where there are no hard links), renewed
-    with os.replace after checking it is still ours, taken over by renaming the file aside
-    and keeping it aside only if it is the very record that was judged (else it goes back).
+    where there are no hard links), renewed and taken over by renaming the file aside and
+    keeping it aside only if it is the very record last written or judged (else it goes
+    back), then creating the new record.
     A version is the record's bytes (its token and heartbeat make it unique): an inode
     number would be reused by the next file created."""
 
@@ -309,17 +314,6 @@ class _FileLease:
             os.fsync(f.fileno())
         return blob
 
-    def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
-        tmp = self._whole_file(blob)
-        try:
-            if self.read()[0] != version:
-                return None
-            os.replace(tmp, self.path)
-            return blob
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
     def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
         aside = f"{self.path}.{uuid.uuid4().hex[:8]}.stale"
         try:
@@ -336,6 +330,11 @@ class _FileLease:
             if os.path.lexists(aside):
                 os.unlink(aside)
         return self.create(blob)
+
+    # Renewing is the same compare-and-swap: a read, compare, then replace would overwrite a
+    # takeover made between the compare and the replace. (A run starting in the instant the
+    # name is aside takes the lease; this one then finds it lost: never two holders.)
+    renew = take_over
 
     def _put_back(self, aside: str) -> None:
         try:
@@ -581,6 +580,16 @@ class RunLock:
         os.fsync(self._fd)
         self._written = len(padded)
 
+    def _stopped_beating(self, owner: dict[str, Any], raw: bytes) -> Any:
+        """An earlier torchrun restart's lease on another machine (where its pid cannot be
+        looked up): watch it for two heartbeats; the version to take over if it did not
+        change (torchrun ended it before this restart), else None (a live run)."""
+        if not restarted_by_torchrun(owner.get("instance"), job_instance()):
+            return None
+        time.sleep(2 * self.heartbeat_s + 1)
+        again, version = self._lease.read()
+        return version if again == raw else None
+
     def _owner_of_file(self) -> dict[str, Any]:
         """The kernel lock holder's record, for a message (it may be writing it right now)."""
         for _ in range(10):
@@ -605,7 +614,11 @@ class RunLock:
                         continue
                     log.warning("run lock %s is unreadable; replacing it", self.where)
                 elif self.why_not_stale(owner) is not None:
-                    raise ConfigError(self._refusal(owner, kernel=False))
+                    version = self._stopped_beating(owner, raw)
+                    if version is None:
+                        raise ConfigError(self._refusal(owner, kernel=False))
+                    log.warning("run lock %s: its owner, an earlier restart of this torchrun run (%s), stopped its "
+                                "heartbeat; taking it over", self.where, describe_owner(owner))
                 else:
                     log.warning("run lock %s was left by a run that is gone (%s: %s); taking it over", self.where,
                                 describe_owner(owner), self._why_gone(owner))
@@ -628,11 +641,14 @@ class RunLock:
     # ---- keeping it --------------------------------------------------------------------------
     def _beat(self) -> None:
         renewed = time.monotonic()
+        # Counted lost two heartbeats before another run may judge it stale: this run stops
+        # saving before anyone else can start.
+        lost_after = max(self.heartbeat_s, self.stale_after_s - 2 * self.heartbeat_s)
         while not self._stop.wait(self.heartbeat_s):
             try:
                 why = self._renew()
             except Exception as exc:  # a missed heartbeat is not fatal; many in a row let the lease expire
-                if self._fd is not None or time.monotonic() - renewed <= self.stale_after_s:
+                if self._fd is not None or time.monotonic() - renewed < lost_after:
                     log.warning("run lock %s: heartbeat failed (%s)", self.where, storage.describe(exc))
                     continue
                 why = (f"its lease could not be renewed for {time.monotonic() - renewed:.0f}s "

@@ -298,6 +298,7 @@ class ShardedSnapshotStore:
                  retry_minutes: float = 2.0, save_retry_minutes: float = 15.0,
                  collective_timeout_minutes: Optional[float] = None):
         self.url = path
+        self.run_lock: Any = None  # rank 0's RunLock (parallel.ShardedSaver sets it): lost, nothing is committed
         self.collective_timeout_minutes = collective_timeout_minutes
         self.save_retry_minutes = save_retry_minutes
         self.storage_options = dict(storage_options or {})
@@ -679,6 +680,9 @@ class ShardedSnapshotStore:
         if delay > 0:
             log.warning("%s=%g: waiting before committing %s (a test hook)", COMMIT_DELAY_ENV, delay, where)
             time.sleep(delay)
+        lost = self.run_lock.lost if self.run_lock is not None else None
+        if lost:  # another run now writes these snapshots: never publish one beside it
+            return f"sharded snapshot {where} not committed: {lost}", False
         marker = {"format": MARKER_FORMAT, "step": step, "world_size": world_size, "files": files}
         try:
             self._write_whole(f"{directory}/{MARKER}", json.dumps(marker, indent=1, sort_keys=True).encode())

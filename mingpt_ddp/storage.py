@@ -275,6 +275,16 @@ _URL_SECRET_PARAM = re.compile(
     re.IGNORECASE,
 )
 
+# The query of a URL: every value in it is shown and stored redacted (a presigned URL's
+# token may have any name), the names kept.
+_URL_QUERY = re.compile(r"(?P<head>\b[a-zA-Z][a-zA-Z0-9+.\-]*://(?:<redacted>|[^\s?#'\"<>])*\?)(?P<query>(?:<redacted>|[^\s#'\"<>])+)")
+_QUERY_VALUE = re.compile(r"(?P<name>(?:^|[&;])[^=&;]*)=(?P<value>[^&;]*)")
+
+
+def _redact_query(m: re.Match) -> str:
+    query = _QUERY_VALUE.sub(lambda v: f"{v['name']}={REDACTED}" if v["value"] else v[0], m["query"])
+    return m["head"] + query
+
 
 def _is_http_scheme(scheme: str) -> bool:
     return scheme.lower().rstrip(":/").rsplit("::", 1)[-1] in ("http", "https")
@@ -302,9 +312,11 @@ def url_credentials(text: str) -> list[str]:
 
 def redact_url_secrets(text: str) -> str:
     """`text` with the credentials of its URLs replaced: user-info passwords (an HTTP
-    user-info whole), and the values of credential-carrying query parameters (a presigned
-    URL or a ``?token=`` is used to read, never shown or stored)."""
+    user-info whole), every value of a URL's query, and the values of credential-carrying
+    parameters elsewhere (a presigned URL or a ``?token=`` is used to read, never shown or
+    stored)."""
     if "://" in text:
+        text = _URL_QUERY.sub(_redact_query, text)
         def userinfo(m: re.Match) -> str:
             secret = _userinfo_secret(m)
             if not secret or secret == REDACTED:

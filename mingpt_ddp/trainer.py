@@ -272,9 +272,14 @@ class Trainer:
 
     def save(self) -> None:
         """State is copied to CPU and handed to the background writer (rank 0's; every
-        rank's under FSDP)."""
+        rank's under FSDP). Refused on every rank once rank 0 has lost the run lock: another
+        run now writes these snapshots."""
         if self._last_save_step == self.state.step:
             return
+        lost = distributed.wait_for_main(lambda: self.run_lock.lost if self.run_lock is not None else None,
+                                         "checking the run lock")
+        if lost:
+            raise ConfigError(lost)
         state = self.state_dict()  # collective (RNG states): every rank takes part
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()

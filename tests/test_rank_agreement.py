@@ -175,7 +175,7 @@ def test_sweep_point_failing_on_one_rank_fails_on_all_before_moving_on(tmp_path,
     proc = run_cli(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=3", f"data.path={small_corpus}",
                     f"data.cache_dir={tmp_path}/cache_${{oc.env:RANK}}", f"hydra.sweep.dir={sweep}"],
                    nproc=2, timeout=180)
-    assert proc.returncode == 0, output(proc)
+    assert proc.returncode != 0 and "error: 2 of 2 sweep points failed" in proc.stderr, output(proc)
     results = [json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")]
     assert [r["status"] for r in results] == ["failed", "failed"], results
     assert all("on rank(s) 1 of 2" in r["error"] and "this process's data.cache_dir" in r["error"] for r in results)

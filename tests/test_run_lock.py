@@ -399,35 +399,53 @@ runpy.run_path({main!r}, run_name="__main__")
 """
 
 
+def start_a_losing_run(tmp_path, run_dir, corpus, *overrides):
+    """A training run whose lock heartbeat beats every 0.2 s, logging to loser.log."""
+    script = tmp_path / "loser.py"
+    script.write_text(LOSER.format(main=MAIN))
+    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}", *overrides]
+    with open(tmp_path / "loser.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+
+
+def steal_the_lock(run_dir):
+    """Remove the run's lock file (by hand, or a run that thought it stale) and take it."""
+    os.unlink(run_dir / ".snapshot.lock")
+    thief = new_lock(run_dir / "snapshot.pt")
+    thief.acquire()
+    return thief
+
+
+def stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief):
+    """The losing run's log, once it exited 2 with one `error: lost the run lock` line and
+    left the thief's lock alone (then released)."""
+    rc = proc.wait(timeout=60)
+    text = (tmp_path / "loser.log").read_text()
+    assert rc == 2, text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lost the run lock" in errors[0], text
+    assert "Traceback" not in text, text
+    assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
+    thief.release()
+    return text
+
+
 @pytest.mark.dist
 @pytest.mark.slow
 def test_a_run_that_lost_its_lock_stops_with_one_error(tmp_path, small_corpus, no_job):
     """The lock file is replaced under a training run (removed by hand, then taken by
     another run): at its next stop agreement the run stops on every rank, saves nothing
     more, exits 2 with one error line, and leaves the new owner's lock alone."""
-    script = tmp_path / "loser.py"
-    script.write_text(LOSER.format(main=MAIN))
     run_dir = tmp_path / "run"
-    cmd = [PYTHON, str(script), *TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}",
-           "trainer.max_epochs=100", "trainer.log_every=2"]
-    with open(tmp_path / "loser.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)})
+    proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=100", "trainer.log_every=2")
     try:
         wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "training progress")
-        os.unlink(run_dir / ".snapshot.lock")
-        thief = new_lock(run_dir / "snapshot.pt")
-        thief.acquire()
+        thief = steal_the_lock(run_dir)
         start = time.monotonic()
-        rc = proc.wait(timeout=60)
-        text = (tmp_path / "loser.log").read_text()
-        assert rc == 2, text
+        text = stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief)
         assert time.monotonic() - start < 30, text
-        errors = [line for line in text.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and "lost the run lock" in errors[0], text
-        assert "Traceback" not in text and "stopped by" not in text, text
-        assert read_owner(run_dir / "snapshot.pt")["token"] == thief.token
-        thief.release()
+        assert "stopped by" not in text, text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -496,3 +514,147 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
     assert error and "lost the run lock" in error, error
     first.release()
     second.release()
+
+
+@pytest.mark.cli
+@pytest.mark.slow
+def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreements(tmp_path, small_corpus, no_job):
+    """Stop agreements far apart (log_every, stop_check_seconds), a snapshot every 3 steps and
+    every epoch: the lock is taken from the run after its first snapshot; its next save stops
+    it on every rank with one error line, and no snapshot is written after the loss."""
+    run_dir = tmp_path / "run"
+    proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=200", "trainer.log_every=100000",
+                              "trainer.stop_check_seconds=100000", "trainer.save_every=1",
+                              "trainer.snapshot_every_steps=3", "trainer.keep_last=1000")
+    try:
+        wait_for(lambda: (run_dir / "snapshot.pt").exists(), 120, "a first snapshot")
+        thief = steal_the_lock(run_dir)
+        saved = {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")}
+        stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief)
+        assert {p.name: p.stat().st_mtime_ns for p in run_dir.glob("snapshot*.pt")} == saved
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.unit
+def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_job):
+    """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
+    learns it from rank 0's commit step) and no step directory is committed."""
+    import torch
+    from mingpt_ddp.parallel import ShardedSaver
+    from mingpt_ddp.sharded_snapshot import MARKER, ShardedSnapshotStore
+
+    url = str(tmp_path / "snapshot.pt")
+    first = new_lock(url, heartbeat_s=0.1)
+    first.acquire()
+    saver = ShardedSaver(ShardedSnapshotStore(url), run_lock=first)
+    os.unlink(tmp_path / ".snapshot.lock")
+    second = new_lock(url)
+    second.acquire()
+    wait_for(lambda: first.lost, 10, "the holder to notice")
+    saver.submit({"model": {"w": torch.ones(2)}, "optimizer": {}, "train_state": {"step": 3}}, 3)
+    error = saver.wait()
+    assert error and "lost the run lock" in error, error
+    assert not list(tmp_path.glob(f"snapshot.pt.dcp/*/{MARKER}")), list(tmp_path.rglob("*"))
+    first.release()
+    second.release()
+
+
+@pytest.mark.unit
+def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stopped_beating(tmp_path, no_job):
+    """A second torchrun with the same --rdzv_id on another node, refused at restart 0 and
+    restarted by its agent (restart 1), must not take the lease of the live first run
+    (restart 0, heartbeat going on); once that owner stops beating, a restart takes over
+    within a few heartbeats, not STALE_AFTER_S."""
+    import threading
+
+    from mingpt_ddp import run_lock
+    from mingpt_ddp.errors import ConfigError
+
+    no_job.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # NFS local_lock, Lustre localflock
+    url = tmp_path / "snapshot.pt"
+    first = {"job": "torchrun run exp1", "instance": {"slurm_job": None, "slurm_restart": 0, "slurm_step": None,
+                                                       "torchrun": "exp1", "torchrun_restart": 0}}
+    beating = threading.Event()
+    beating.set()
+
+    def beat():  # the live owner, on another node: rewrites its record as its heartbeat does
+        while beating.is_set():
+            write_owner(url, **first)
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: (tmp_path / ".snapshot.lock").exists(), 5, "the owner's record")
+        no_job.setenv("TORCHELASTIC_RUN_ID", "exp1")
+        no_job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+        with pytest.raises(ConfigError, match="another run is live on these snapshots"):
+            new_lock(url, heartbeat_s=0.5).acquire()
+        assert read_owner(url)["token"] == "other"
+    finally:
+        beating.clear()
+        thread.join()
+    began = time.monotonic()
+    lock = new_lock(url, heartbeat_s=0.5)
+    lock.acquire()  # the owner stopped beating: torchrun ended it before this restart
+    assert time.monotonic() - began < 10
+    assert read_owner(url)["token"] == lock.token
+    lock.release()
+
+
+@pytest.mark.unit
+def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
+    """Another run takes the lease over while its holder renews (right after the holder
+    looked at it): the renewal fails and the taker's record stays."""
+    from mingpt_ddp.run_lock import _FileLease
+
+    path = str(tmp_path / ".snapshot.lock")
+    holder = _FileLease(path)
+    version = holder.create(b'{"token": "A", "heartbeat": 1}')
+    real_read = _FileLease.read
+    taken = []
+
+    def read_then_taken(self):
+        seen = real_read(self)
+        if not taken:  # another run judged it stale and takes it over now
+            taken.append(_FileLease(path).take_over(b'{"token": "B", "heartbeat": 2}', seen[1]))
+        return seen
+
+    monkeypatch.setattr(_FileLease, "read", read_then_taken)
+    renewed = holder.renew(b'{"token": "A", "heartbeat": 3}', version)
+    with open(path, "rb") as f:
+        now = f.read()
+    if taken and taken[0] is not None:
+        assert renewed is None and now == b'{"token": "B", "heartbeat": 2}', now
+    else:  # the takeover lost the race: the holder renewed
+        assert renewed is not None and now == b'{"token": "A", "heartbeat": 3}', now
+    assert len(list(tmp_path.iterdir())) == 1, list(tmp_path.iterdir())  # nothing left aside
+
+
+@pytest.mark.unit
+def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(tmp_path, monkeypatch, no_job):
+    """Renewals failing (S3 unreachable): the holder counts its lease lost while its last
+    heartbeat is still younger than stale_after_s, before any other run may judge it stale."""
+    from mingpt_ddp import run_lock
+
+    monkeypatch.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # a lease
+    lock = new_lock(tmp_path / "snapshot.pt", heartbeat_s=0.3, stale_after_s=3.0)
+    lock.acquire()
+    renewals = []
+    real_renew = lock._lease.renew
+
+    def renew_then_fail(blob, version):
+        if len(renewals) < 2:
+            renewals.append(time.monotonic())
+            return real_renew(blob, version)
+        raise OSError(errno.EIO, "the store is unreachable")
+
+    lock._lease.renew = renew_then_fail
+    wait_for(lambda: lock.lost, 10, "the lease to count as lost")
+    lost_at = time.monotonic()
+    heartbeat = read_owner(tmp_path / "snapshot.pt")["heartbeat"]
+    assert lost_at - renewals[-1] < 3.0 and time.time() - heartbeat < 3.0, (lost_at - renewals[-1], lock.lost)
+    assert "could not be renewed" in lock.lost, lock.lost
+    lock.release()

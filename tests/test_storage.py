@@ -437,3 +437,13 @@ def test_remote_data_is_copied_to_the_node_cache_once_and_again_when_it_changes(
     with pytest.raises(ConfigError, match=f"data file not found: s3://{bucket}/corpora/nope.txt"):
         ensure_local_copy(f"s3://{bucket}/corpora/nope.txt", None, options, str(tmp_path / "cache"))
     assert sorted(os.listdir(tmp_path / "cache")) == sorted([os.path.basename(local), os.path.basename(local) + ".source"])
+
+
+@pytest.mark.unit
+def test_every_value_of_a_urls_query_is_redacted_whatever_its_name():
+    from mingpt_ddp.storage import redact_url_secrets
+
+    shown = redact_url_secrets("data http://alice:<redacted>@127.0.0.1:8000/input.txt?X-Amz-Signature=<redacted>"
+                               "&mytok=PLAINQ&flag: copying; step=5 mytok=kept")
+    assert "PLAINQ" not in shown and "mytok=<redacted>&flag:" in shown, shown
+    assert "127.0.0.1:8000/input.txt?" in shown and shown.endswith("step=5 mytok=kept"), shown

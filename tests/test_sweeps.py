@@ -52,7 +52,8 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on_in_one_process(tmp_pa
     sweep = tmp_path / "sweep"
     proc = run_cli(["-m", "model.n_embd=48,50,96", *TINY, "trainer.max_steps=5", f"data.path={small_corpus}",
                     f"hydra.sweep.dir={sweep}"])
-    assert proc.returncode == 0, output(proc)
+    assert proc.returncode == 2, output(proc)  # the sweep goes on, and then says that it was not all done
+    assert "error: 1 of 3 sweep points failed (point 1)" in proc.stderr, output(proc)
     rows = summary_rows(sweep)
     assert [r["status"] for r in rows] == ["completed", "failed", "completed"]
     assert "not divisible by model.n_head=3" in rows[1]["error"]
@@ -153,3 +154,33 @@ def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
     text = (tmp_path / "result.json").read_text()
     assert "hunter2pw" not in text and "abcdef0123456789" not in text
     assert "bucket/run/snapshot.pt" in text  # still says where the snapshot is
+
+
+@pytest.mark.cli
+def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_writes(tmp_path, small_corpus):
+    """Sweep B started in the directory of sweep A while A's point 0 trains: B stops within
+    seconds with one error line and exit code 2, and A's files (multirun.yaml, the point's
+    .hydra/ and main.log) are untouched; B trains nothing."""
+    sweep = tmp_path / "sweep"
+    cmd = [PYTHON, MAIN, "-m", "trainer.seed=1,2", *TINY, "trainer.max_epochs=1000", f"data.path={small_corpus}",
+           f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "a.log", "w") as log:
+        first = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: metrics_lines(sweep / "0") >= 2, 120, "point 0 of the first sweep training")
+        kept = {p: p.read_bytes() for p in [sweep / "multirun.yaml", *(sweep / "0" / ".hydra").iterdir(),
+                                            sweep / "0" / "main.log"]}
+        second = run_cli(["-m", "trainer.seed=777,778", *TINY, "trainer.max_steps=3", f"data.path={small_corpus}",
+                          f"hydra.sweep.dir={sweep}"], timeout=60)
+        assert first.poll() is None, (tmp_path / "a.log").read_text()
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1, output(second)
+        assert "another sweep is live" in errors[0] and "hydra.sweep.dir" in errors[0], errors[0]
+        assert "Traceback" not in output(second)
+        grown = (sweep / "0" / "main.log").read_bytes()
+        assert {p: (grown[:len(kept[p])] if p.name == "main.log" else p.read_bytes()) for p in kept} == kept
+        assert b"777" not in grown and not (sweep / "1").exists()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
