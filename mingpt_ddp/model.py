@@ -14,8 +14,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mingpt_ddp.muon import Muon
-
 
 @dataclass
 class GPTConfig:
@@ -192,6 +190,8 @@ class GPT(nn.Module):
         if muon_lr is not None:
             groups.append({"params": [params[n] for n in params if n in muon], "weight_decay": weight_decay,
                            "muon": True, "lr_scale": muon_lr / lr})
+            from mingpt_ddp.muon import Muon  # here: model.py is exported alone, for plain PyTorch
+
             return Muon(groups, lr=lr, betas=tuple(betas), momentum=muon_momentum, ns_dtype=ns_dtype)
         fused_ok = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu")
         return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), fused=fused_ok or None)
