@@ -1,6 +1,7 @@
 """Shared test helpers: the corpus, small corpora, and running the real CLI."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -79,6 +80,39 @@ def run_cli(args: list[str], nproc: int = 0, cwd: Path = REPO, env: dict | None 
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "HYDRA_FULL_ERROR": "0", **(env or {})}
     full_env.pop("HYDRA_FULL_ERROR")
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def serving(directory: Path):
+    """A real HTTP server on 127.0.0.1 serving `directory` (python -m http.server, a process
+    of its own), up before the block runs; yields its base URL."""
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
+                              cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(base + "/", timeout=1).read(1)
+                break
+            except urllib.error.HTTPError:
+                break  # it answers
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the HTTP server on {base} did not come up")
+                time.sleep(0.05)
+        yield base
+    finally:
+        server.terminate()
+        server.wait()
 
 
 def output(proc: subprocess.CompletedProcess) -> str:

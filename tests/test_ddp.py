@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from conftest import PYTHON, REPO, TINY, load_snapshot, output, read_metrics, run_cli
+from conftest import PYTHON, REPO, TINY, load_snapshot, output, read_metrics, run_cli, serving
 
 
 def train(run_dir, corpus, *extra, nproc=2, env=None):
@@ -86,32 +86,12 @@ def test_sample_from_a_run_directory(tmp_path, small_corpus):
 @pytest.mark.cli
 def test_missing_corpus_is_downloaded_once_atomically_while_other_ranks_wait(tmp_path, small_corpus):
     """A real HTTP server on 127.0.0.1 stands in for the public URL."""
-    import socket
-    import sys
-
     served = tmp_path / "served"
     served.mkdir()
     (served / "input.txt").write_bytes(small_corpus.read_bytes())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        import urllib.request
-
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/input.txt", timeout=1).read(1)
-                break
-            except OSError:
-                time.sleep(0.05)
+    with serving(served) as base:
         target = tmp_path / "data" / "tinyshakespeare.txt"
-        text = train(tmp_path / "run", target, "trainer.max_steps=3",
-                     f"data.download_url=http://127.0.0.1:{port}/input.txt")
-    finally:
-        server.terminate()
-        server.wait()
+        text = train(tmp_path / "run", target, "trainer.max_steps=3", f"data.download_url={base}/input.txt")
     assert target.read_bytes() == small_corpus.read_bytes()
     assert text.count("downloading http://127.0.0.1") == 1
     assert [p.name for p in target.parent.iterdir()] == ["tinyshakespeare.txt"]  # no temp file left

@@ -1,16 +1,12 @@
 """One run's safety edges: retention never deletes the snapshot just written, credentials in URL
 query strings are used but never shown or stored, seed streams do not overlap, and an unwritable
 run directory is one clear error."""
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import TINY, load_snapshot, output, run_cli
-from test_fault_tolerance import wait_for
+from conftest import TINY, load_snapshot, output, run_cli, serving
 from test_rank_agreement import args, expect_config_error, must_pass
 
 
@@ -33,36 +29,17 @@ def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
 
 
 # ---- 10. credentials in URL query strings ------------------------------------------------------
-def serving(url):
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(url, timeout=1).read(1)
-        return True
-    except OSError:
-        return False
-
-
 @pytest.mark.cli
 def test_url_query_secrets_are_used_but_never_shown_or_stored(tmp_path, small_corpus):
     served = tmp_path / "served"
     served.mkdir()
     (served / "input.txt").write_bytes(small_corpus.read_bytes())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                              cwd=served, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     secrets = ("AKIASECRETCRED77", "SIGNATURE0123abcdef", "SESSIONTOKEN999", "tok42xyz")
-    url = (f"http://127.0.0.1:{port}/input.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={secrets[0]}"
-           f"&X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}&token={secrets[3]}")
-    try:
-        wait_for(lambda: serving(f"http://127.0.0.1:{port}/input.txt"), 30, "the HTTP server")
+    with serving(served) as base:
+        url = (f"{base}/input.txt?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential={secrets[0]}"
+               f"&X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}&token={secrets[3]}")
         run_dir, target = tmp_path / "run", tmp_path / "data" / "text.txt"
         proc = run_cli(args(run_dir, target, "trainer.max_steps=2", f"data.download_url='{url}'"))
-    finally:
-        server.terminate()
-        server.wait()
     text = must_pass(proc)
     assert target.read_bytes() == small_corpus.read_bytes()  # the real URL was read
     assert "X-Amz-Signature=<redacted>" in text
@@ -73,7 +50,7 @@ def test_url_query_secrets_are_used_but_never_shown_or_stored(tmp_path, small_co
         for path in written:
             assert secret.encode() not in path.read_bytes(), path
     stored = load_snapshot(run_dir / "snapshot.pt")["config"]["data"]["download_url"]
-    assert "X-Amz-Signature=<redacted>" in stored and stored.startswith(f"http://127.0.0.1:{port}/input.txt?")
+    assert "X-Amz-Signature=<redacted>" in stored and stored.startswith(f"{base}/input.txt?")
 
 
 # ---- 11. seeding -------------------------------------------------------------------------------
