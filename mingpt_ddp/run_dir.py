@@ -102,6 +102,11 @@ class RunDirCheck(Callback):
         except ConfigError as exc:
             _refuse(exc)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Launchers that pickle the callbacks with each job (submitit) take no lock along:
+        # the sweep lock stays with the process that holds it (its heartbeat thread cannot pickle).
+        return {k: v for k, v in self.__dict__.items() if k != "_sweep_lock"}
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         lock = getattr(self, "_sweep_lock", None)
         if lock is not None:
