@@ -15,7 +15,7 @@ makes a CPU with AVX-512/AMX run like an AVX2-only one, bf16 emulated), one afte
    0.5x on the others; the issue's targets), then experiment=shakespeare_char_cpu once.
 
 The texts: tiny-shakespeare (`--shakespeare`, default ../shared/data/tinyshakespeare.txt or
-data/tinyshakespeare.txt) and four ~1 MB texts unlike it, built by benchmarks/texts.py into
+data/tinyshakespeare.txt, downloaded there as the quick start does when missing) and four ~1 MB texts unlike it, built by benchmarks/texts.py into
 `--texts` (default: a temporary directory). Everything printed names the CPU's flags, the
 load (uptime) before and after, the torch version and the commit.
 """
@@ -83,8 +83,12 @@ def main() -> None:
     shakespeare = args.shakespeare or next(
         (c for c in (REPO.parent / "shared" / "data" / "tinyshakespeare.txt", REPO / "data" / "tinyshakespeare.txt")
          if c.is_file()), None)
-    if shakespeare is None:
-        raise SystemExit("no tiny-shakespeare: pass --shakespeare FILE")
+    if shakespeare is None:  # as the quick start does: the preset's own path, downloaded once
+        try:
+            run([sys.executable, "-m", "mingpt_ddp.prepare", "data.path=data/tinyshakespeare.txt"], {})
+        except subprocess.CalledProcessError:
+            raise SystemExit("no tiny-shakespeare (see the error above): pass --shakespeare FILE") from None
+        shakespeare = REPO / "data" / "tinyshakespeare.txt"
     print(machine())
     with tempfile.TemporaryDirectory() as tmp:
         texts = args.texts or Path(tmp) / "texts"
