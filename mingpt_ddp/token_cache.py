@@ -777,7 +777,8 @@ def shared_cache_lock(directory: str, path: str) -> Iterator[None]:
             os.close(fd)  # releases the kernel lock; the file stays, so every waiter locks the same inode
         if held:
             return
-    with _lock_file_lease(lock, path, directory):
+    # Its own name: the kernel lock's file stays for good, and would read as held here.
+    with _lock_file_lease(lock[:-len(".lock")] + ".lease", path, directory):
         yield
 
 

@@ -317,8 +317,9 @@ def test_the_cache_lock_makes_a_second_process_wait_and_a_dead_ones_lock_is_take
     # where flock does not reach every node, a lock file nobody keeps fresh is taken over
     monkeypatch.setattr(token_cache.run_lock, "flock_reaches_everyone", lambda directory: False)
     monkeypatch.setattr(token_cache, "LOCK_STALE_S", 1.0)
-    lock.write_text("node9 pid 4242\n")
-    os.utime(lock, (time.time() - 5, time.time() - 5))
+    lease = lock.with_suffix(".lease")  # a name of its own: the kernel lock's file stays for good
+    lease.write_text("node9 pid 4242\n")
+    os.utime(lease, (time.time() - 5, time.time() - 5))
     with caplog.at_level("WARNING", logger="mingpt_ddp.token_cache"):
         hold("fourth", 0)
     assert events[-2:] == ["fourth in", "fourth out"] and "node9 pid 4242" in caplog.text
