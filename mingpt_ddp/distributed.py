@@ -420,6 +420,19 @@ def _raise_outcome(outcome: tuple[str, Any], who: str) -> Any:
     return value
 
 
+def _first_failure_or_result(outcomes: list[tuple[int, tuple[str, Any]]], me: int,
+                             mine: Optional[BaseException]) -> Any:
+    """The first runner's result, unless a runner failed: then every rank raises the first
+    failure (config errors before bugs), the rank that had it its own exception."""
+    for kind in ("config", "bug"):
+        for rank, outcome in outcomes:
+            if outcome[0] == kind:
+                if rank == me and mine is not None:
+                    raise mine
+                _raise_outcome(outcome, f"rank {rank}")
+    return outcomes[0][1][1]
+
+
 def _share_by_collective(fn: Callable[[], T], runs_here: bool) -> T:
     """The runners' outcomes by a collective: for a process group made without setup()'s
     store (alone, it is just `fn`)."""
@@ -429,13 +442,7 @@ def _share_by_collective(fn: Callable[[], T], runs_here: bool) -> T:
             raise exc
         return outcome[1]
     outcomes = all_gather_object(outcome)
-    for kind in ("config", "bug"):
-        for rank, theirs in enumerate(outcomes):
-            if theirs[0] == kind:
-                if exc is not None:
-                    raise exc
-                _raise_outcome(theirs, f"rank {rank}")
-    return outcomes[0][1]
+    return _first_failure_or_result(list(enumerate(outcomes)), torch_dist.get_rank(), exc)
 
 
 def wait_for_main(work: Callable[[], T], what: str) -> T:
@@ -489,13 +496,7 @@ def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: boo
                       hint="a corpus that takes longer to encode is prepared ahead, once per node-local cache or "
                            "once for a shared one: python -m mingpt_ddp.prepare <the same data.* overrides> (or "
                            "raise trainer.load_retry_minutes); if it is not that, check that node's storage")
-    for kind in ("config", "bug"):
-        for runner, outcome in zip(runners, outcomes):
-            if outcome[0] == kind:
-                if runner == dist.rank and mine is not None:
-                    raise mine
-                _raise_outcome(outcome, f"rank {runner}")
-    return outcomes[0][1]
+    return _first_failure_or_result(list(zip(runners, outcomes)), dist.rank, mine)
 
 
 def _store_barrier() -> None:
