@@ -16,7 +16,6 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from mingpt_ddp import loggers
 from mingpt_ddp.errors import ConfigError
 
 # The training process group's collectives (NCCL on GPUs) give up after this: a hung GPU or a
@@ -348,7 +347,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"trainer.snapshot_every_minutes={t.snapshot_every_minutes} must be >= 0 (0: never; "
                           f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, never on CPUs)")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
-    loggers.check(cfg)
     if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
         raise ConfigError(f"trainer.profile_steps={list(t.profile_steps)} must be [first, last] with "
                           "0 <= first < last, e.g. trainer.profile_steps=[10,15]")

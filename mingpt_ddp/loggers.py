@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TORCHRUN
-from mingpt_ddp import bench
+from mingpt_ddp.tools import bench
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import mfu
 from mingpt_ddp.model import GPT, GPTConfig
@@ -124,7 +124,7 @@ def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, sm
 HELD_DOWN_PEAK = """
 import sys
 import mingpt_ddp.trainer
-from mingpt_ddp import bench
+from mingpt_ddp.tools import bench
 from mingpt_ddp.metrics import Peak
 mingpt_ddp.trainer.measured_peak = lambda *args, **kwargs: Peak(1e6, "fp32")  # as if others' load held it down
 sys.exit(bench.main(sys.argv[1:]))

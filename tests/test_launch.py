@@ -412,7 +412,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
 
 @pytest.mark.unit
 def test_preflight_node_checks_name_the_node():
-    from mingpt_ddp.preflight import check_comm, check_nodes, own_failure
+    from mingpt_ddp.tools.preflight import check_comm, check_nodes, own_failure
 
     assert check_nodes([facts("gpu-1"), facts("gpu-2")]) is None
     problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=4)])
@@ -444,7 +444,7 @@ def test_preflight_node_checks_name_the_node():
 def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):
     """cpus_per_task defaults to the smallest node's CPUs (sinfo; the default partition is the
     one marked *) / tasks per node; None where sinfo is missing or fails."""
-    from mingpt_ddp import cluster
+    from mingpt_ddp.tools import cluster
 
     fake_command(tmp_path, "sinfo", '''
 if [ "$*" = "-h -N -o %c %P -p gpu" ]; then printf "96 gpu\\n192 gpu\\n"; exit 0; fi

@@ -1,43 +1,126 @@
-"""The package's modules import each other without cycles (lazy imports inside functions
-count too): each module can be read, tested and replaced on its own."""
+"""The package's layout keeps its architecture: no import cycles, a flat training path of at
+most 20 modules, the schema free of trackers, and tools off the training path."""
 import ast
-from pathlib import Path
+import os
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.unit
-
 PACKAGE = REPO / "mingpt_ddp"
+TOOLS = ("bench", "sample", "export", "plot", "preflight", "prepare", "network", "torchrun")
 
 
-def imported_modules(path: Path) -> set[str]:
+def module_name(path):
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules():
+    return {module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def imports_of(path, known):
+    """The package's modules that `path` imports (at any depth: lazy imports count too)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "mingpt_ddp":
-                found |= {alias.name for alias in node.names}
-            elif node.module.startswith("mingpt_ddp."):
-                found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mingpt_ddp.")}
-    return found - {path.stem}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
 
 
-def test_no_import_cycles_between_modules():
-    graph = {p.stem: imported_modules(p) for p in PACKAGE.glob("*.py")}
-    cycles = []
+@pytest.fixture(scope="module")
+def graph():
+    known = modules()
+    return {name: imports_of(path, known) - {name} for name, path in known.items()}
 
-    def visit(module, trail):
-        for dep in sorted(graph.get(module, ())):
-            if dep in trail:
-                cycles.append(trail[trail.index(dep):] + [dep])
-            elif dep not in done:
-                visit(dep, trail + [dep])
-        done.add(module)
 
-    done: set[str] = set()
-    for module in sorted(graph):
-        visit(module, [module])
-    assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+def cycle(graph):
+    """One import cycle between the package's modules (their __init__s left out), or None."""
+    edges = {m: {d for d in deps if not PACKAGE.joinpath(*d.split(".")[1:], "__init__.py").exists()}
+             for m, deps in graph.items()}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(edges.get(m, ())):
+            if state.get(d) == "open":
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+@pytest.mark.unit
+def test_no_import_cycles(graph):
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
+
+
+@pytest.mark.unit
+def test_cycle_finder_finds_one():
+    assert cycle({"mingpt_ddp.a": {"mingpt_ddp.b"}, "mingpt_ddp.b": {"mingpt_ddp.a"}}) is not None
+
+
+@pytest.mark.unit
+def test_at_most_20_modules_directly_in_the_package():
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 20, flat
+
+
+@pytest.mark.unit
+def test_the_design_cards_modules_stay_where_they_are():
+    for name in ("main", "model", "char_dataset", "trainer", "config", "parallel"):
+        assert (PACKAGE / f"{name}.py").is_file(), name
+
+
+@pytest.mark.unit
+def test_the_schema_does_not_depend_on_a_tracker(graph):
+    assert "mingpt_ddp.loggers" not in graph["mingpt_ddp.config"]
+
+
+@pytest.mark.unit
+def test_tools_are_off_the_training_path(graph):
+    """Tools import the training path, never main; the training path (main, the composition
+    root, aside) never imports a tool."""
+    for name, deps in graph.items():
+        if name.startswith("mingpt_ddp.tools."):
+            assert "mingpt_ddp.main" not in deps, name
+        elif name != "mingpt_ddp.main":
+            assert not [d for d in deps if d.startswith("mingpt_ddp.tools")], (name, deps)
+
+
+@pytest.mark.cli
+def test_every_python_m_command_and_script_still_resolves():
+    """`python -m mingpt_ddp.<tool>` (the documented names, from before tools/ existed) and
+    pyproject's scripts."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    code = ("import importlib, importlib.util, sys\n"
+            f"for name in {list(TOOLS)!r}:\n"
+            "    spec = importlib.util.find_spec('mingpt_ddp.' + name)\n"
+            "    assert spec and spec.origin.endswith('/tools/' + name + '.py'), (name, spec)\n"
+            f"for target in {list(scripts.values())!r}:\n"
+            "    module, attr = target.split(':')\n"
+            "    assert callable(getattr(importlib.import_module(module), attr)), target\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    help_text = subprocess.run([sys.executable, "-m", "mingpt_ddp.plot"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "mingpt_ddp.plot" in help_text.stdout + help_text.stderr

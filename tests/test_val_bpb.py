@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from mingpt_ddp import sweep
-from mingpt_ddp.plot import plot_runs
+from mingpt_ddp.tools import sweep
+from mingpt_ddp.tools.plot import plot_runs
 
 pytestmark = pytest.mark.unit
 

@@ -16,21 +16,21 @@ import os
 import sys
 from typing import Optional
 
-from mingpt_ddp import config, storage, token_cache
+from mingpt_ddp import config
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.errors import ConfigError
 
 USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe data.vocab_size=N data.cache_dir=DIR ...]"
 
 
 def prepare(overrides: list[str]) -> token_cache.TokenFile:
-    from mingpt_ddp.main import tokenization
-
     cfg = config.compose(overrides, job_name="prepare")
     storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     options = storage.resolve_options(cfg.data.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
     return token_cache.prepare(cfg.data.path, cfg.data.download_url, options, cfg.data.cache_dir,
-                               cfg.trainer.load_retry_minutes, tokenization=tokenization(cfg.data))
+                               cfg.trainer.load_retry_minutes, tokenization=token_cache.tokenization(cfg.data))
 
 
 def cli(argv: Optional[list[str]] = None) -> None:

@@ -15,10 +15,11 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp import storage, tokenizer
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
-from mingpt_ddp.snapshot import SnapshotStore
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
 USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu]'
 
@@ -56,7 +57,7 @@ def load_latest(target: str) -> Optional[tuple[dict, str]]:
     snapshot file, or an FSDP run's shards merged into the whole model (no process group).
     The snapshot has the model's state dict and the metadata (vocab, model_config,
     train_state, ...); None when there is none."""
-    from mingpt_ddp.sharded_snapshot import is_sharded, load_full_model_state
+    from mingpt_ddp.checkpoint.sharded_snapshot import is_sharded, load_full_model_state
 
     store = snapshot_store_for(target)
     if is_sharded(store.url):

@@ -21,9 +21,9 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from mingpt_ddp import storage
-from mingpt_ddp.plot import plot_runs
-from mingpt_ddp.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.tools.plot import plot_runs
+from mingpt_ddp.tools.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
 
 log = logging.getLogger(__name__)
 

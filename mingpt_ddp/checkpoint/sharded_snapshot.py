@@ -69,9 +69,9 @@ except ImportError:  # without it: local paths through the public FileSystemRead
     FsspecReader, FsspecWriter = FileSystemReader, FileSystemWriter
 HAS_FSSPEC_DCP = FsspecReader is not FileSystemReader
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.snapshot import SnapshotStore
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
