@@ -246,7 +246,8 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     try:
         sharded = not isinstance(store, SnapshotStore)
         if sharded:  # every rank saves its own shard
-            saver = parallel.ShardedSaver(store, run_lock=lock)
+            from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
+            saver = ShardedSaver(store, run_lock=lock)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,

@@ -542,7 +542,7 @@ def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_jo
     """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
     learns it from rank 0's commit step) and no step directory is committed."""
     import torch
-    from mingpt_ddp.parallel import ShardedSaver
+    from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
     from mingpt_ddp.checkpoint.sharded_snapshot import MARKER, ShardedSnapshotStore
 
     url = str(tmp_path / "snapshot.pt")
