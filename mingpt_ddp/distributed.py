@@ -22,7 +22,7 @@ import torch
 import torch.distributed as torch_dist
 
 from mingpt_ddp.config import DEFAULT_COLLECTIVE_TIMEOUT_MINUTES, RANK0_WAIT_MARGIN_MINUTES
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import RunError, UserFacingError, by_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -236,7 +236,7 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
 def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_grace_s: float = 2.0) -> bool:
     """Whether this rank should print `message`: once per job, by rank 0 when it hit it too.
 
-    A ConfigError is usually raised alike on every rank, sometimes on one rank only (its own
+    A user-facing error is usually raised alike on every rank, sometimes on one rank only (its own
     disk, its own GPU). Rank 0 always prints its own; the other ranks count the message in the
     rendezvous store, and the first of them prints it only if rank 0 has not reported the same
     message within `rank0_grace_s`. So an error every rank hit is printed once, by rank 0
@@ -365,11 +365,11 @@ def _waits_in_store() -> bool:
 
 
 def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, Any], Optional[BaseException]]:
-    """(("ok", result) | ("config", message) | ("bug", text), the exception to re-raise here)."""
+    """(("ok", result) | ("error", (class name, message)) | ("bug", text), the exception to re-raise here)."""
     try:
         return ("ok", fn()), None
-    except ConfigError as exc:
-        return ("config", str(exc)), exc
+    except UserFacingError as exc:
+        return ("error", (type(exc).__name__, str(exc))), exc
     except BaseException as exc:  # noqa: BLE001: re-raised by the caller, told to the others first
         return ("bug", f"{type(exc).__name__}: {exc}"), exc
 
@@ -394,7 +394,7 @@ def _await(keys: list[str], what: str, hint: str = "") -> list[tuple[str, Any]]:
     try:
         while not _store.check(keys):
             if time.monotonic() >= deadline:
-                raise ConfigError(
+                raise RunError(
                     f"waited {_rank0_wait_minutes:g} minutes for {what} (trainer.save_retry_minutes or "
                     "load_retry_minutes plus 5): " + (hint or "its storage or its process hangs; check that node, "
                                                       "then run the same command to resume from the newest snapshot"))
@@ -403,18 +403,19 @@ def _await(keys: list[str], what: str, hint: str = "") -> list[tuple[str, Any]]:
         outcomes = [pickle.loads(_store.get(key)) for key in keys]
         for key in keys:
             _store.add(key + "/read", 1)
-    except ConfigError:
+    except UserFacingError:
         raise
     except Exception as exc:
-        raise ConfigError(f"lost the job's rendezvous store while waiting for {what} ({type(exc).__name__}): "
+        raise RunError(f"lost the job's rendezvous store while waiting for {what} ({type(exc).__name__}): "
                           "the node that hosts it has gone; run the same command to resume") from None
     return outcomes
 
 
 def _raise_outcome(outcome: tuple[str, Any], who: str) -> Any:
     kind, value = outcome
-    if kind == "config":
-        raise ConfigError(value)
+    if kind == "error":
+        name, message = value
+        raise by_name(name)(message)
     if kind == "bug":
         raise RuntimeError(f"{who} failed: {value}")
     return value
@@ -423,8 +424,8 @@ def _raise_outcome(outcome: tuple[str, Any], who: str) -> Any:
 def _first_failure_or_result(outcomes: list[tuple[int, tuple[str, Any]]], me: int,
                              mine: Optional[BaseException]) -> Any:
     """The first runner's result, unless a runner failed: then every rank raises the first
-    failure (config errors before bugs), the rank that had it its own exception."""
-    for kind in ("config", "bug"):
+    failure (a user-facing error before a bug), the rank that had it its own exception."""
+    for kind in ("error", "bug"):
         for rank, outcome in outcomes:
             if outcome[0] == kind:
                 if rank == me and mine is not None:
@@ -478,7 +479,7 @@ def on_main_then_share(fn: Callable[[], T], dist: DistEnv, *, once_per_node: boo
     """Run `fn` on rank 0 (or on each node's local rank 0) and share the outcome.
 
     For work only one process may do (write to the filesystem, download, encode a corpus):
-    every rank gets rank 0's result, or raises the same ConfigError if any runner failed,
+    every rank gets rank 0's result, or raises the same user-facing error if any runner failed,
     so nobody waits forever on a rank that gave up. The others wait in the rendezvous store
     (as in wait_for_main), so slow work does not run into the training group's timeout.
     """
@@ -507,7 +508,7 @@ def _store_barrier() -> None:
     delay = 0.002
     while _store.add(key, 0) < _current.world_size:
         if time.monotonic() >= deadline:
-            raise ConfigError(f"waited {_rank0_wait_minutes:g} minutes for the other ranks to finish")
+            raise RunError(f"waited {_rank0_wait_minutes:g} minutes for the other ranks to finish")
         time.sleep(delay)
         delay = min(2 * delay, 0.5)
 
@@ -525,7 +526,7 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
-    """Run `fn` on every rank; if it raised a ConfigError on any rank, raise it on all.
+    """Run `fn` on every rank; if it raised a ConfigError or RunError on any rank, raise it on all.
 
     For steps that can fail on some ranks only (a node's own disk or cache): without this,
     the failing ranks would leave (or, in a sweep, go on to the next point) while the
@@ -534,11 +535,12 @@ def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
     result, error = None, None
     try:
         result = fn()
-    except ConfigError as exc:
-        error = str(exc)
+    except UserFacingError as exc:
+        error = (type(exc).__name__, str(exc))
     errors = [(rank, e) for rank, e in enumerate(all_gather_object(error)) if e is not None]
     if errors:
+        error_type, message = by_name(errors[0][1][0]), errors[0][1][1]
         if len(errors) == dist.world_size:
-            raise ConfigError(errors[0][1])
-        raise ConfigError(f"on rank(s) {', '.join(str(r) for r, _ in errors)} of {dist.world_size}: {errors[0][1]}")
+            raise error_type(message)
+        raise error_type(f"on rank(s) {', '.join(str(r) for r, _ in errors)} of {dist.world_size}: {message}")
     return result

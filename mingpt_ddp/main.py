@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 if __package__ in (None, ""):
     # Run as a script (`torchrun mingpt_ddp/main.py`): import the package from this checkout,
@@ -55,7 +55,7 @@ from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import RunLock
@@ -84,7 +84,25 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
 
 
 
-def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
+class AgreedSnapshot(NamedTuple):
+    """The snapshot every rank resumes from: its content (a sharded store's: the metadata,
+    its shards are loaded later) and where it lives."""
+    snapshot: dict[str, Any]
+    where: str
+
+
+class SnapshotView(NamedTuple):
+    """What one rank found, compared across ranks: the same step and checksum everywhere."""
+    step: int
+    checksum: str  # the payload's sha256, or a sharded snapshot's directory
+    where: str
+
+    @property
+    def identity(self) -> tuple[int, str]:
+        return self.step, self.checksum
+
+
+def load_agreed_snapshot(store, dist: DistEnv) -> Optional[AgreedSnapshot]:
     """The newest snapshot, checked to be the same one (step and payload checksum, or the
     sharded snapshot's directory) on every rank. A snapshot path that is not on storage all
     nodes share gives each node its own view: one rank resuming at step N while another
@@ -92,25 +110,27 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any],
     who saw what. A sharded store gives the metadata; its shards are loaded later."""
     sharded = not isinstance(store, SnapshotStore)
     found = on_every_rank(store.latest_meta if sharded else store.load_latest, dist)
-    view = None if found is None else (found[0]["train_state"]["step"],
-                                       found[1] if sharded else store.loaded_sha256, found[1])
-    views = distributed.all_gather_object(view)
-    if len({v[:2] if v else None for v in views}) > 1:
-        seen: dict[Any, list[int]] = {}
-        for rank, v in enumerate(views):
-            seen.setdefault(v[:2] if v else None, []).append(rank)
+    view = None if found is None else SnapshotView(found[0]["train_state"]["step"],
+                                                   found[1] if sharded else store.loaded_sha256, found[1])
+    # plain tuples over the wire: main.py may run as __main__ (torchrun mingpt_ddp/main.py)
+    views = [SnapshotView(*v) if v is not None else None
+             for v in distributed.all_gather_object(tuple(view) if view else None)]
+    seen: dict[Any, list[int]] = {}
+    for rank, v in enumerate(views):
+        seen.setdefault(v.identity if v else None, []).append(rank)
+    if len(seen) > 1:
         parts = []
-        for key, ranks in seen.items():
+        for ranks in seen.values():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {','.join(map(str, ranks))}"
             v = views[ranks[0]]
-            checksum = f" (sha256 {v[1][:12]})" if v and v[1] != v[2] else ""
-            parts.append(f"{who}: " + (f"step {v[0]} from {v[2]}{checksum}" if v else "no snapshot"))
+            checksum = f" (sha256 {v.checksum[:12]})" if v and v.checksum != v.where else ""
+            parts.append(f"{who}: " + (f"step {v.step} from {v.where}{checksum}" if v else "no snapshot"))
         raise ConfigError(
             f"ranks see different snapshots ({'; '.join(parts)}): trainer.snapshot_path (default: snapshot.pt "
             "in the run directory) must be one location on storage every node can read (a shared filesystem "
             "or an object store), the same on every rank"
         )
-    return found
+    return None if found is None else AgreedSnapshot(*found)
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary,
@@ -147,23 +167,26 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     loggers.check(cfg)  # the trackers asked for are installed (the schema itself knows no tracker)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
-    store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
+    # The snapshot files at `path` as DDP writes them: the run lock lives beside them, and an
+    # FSDP run may start from them.
+    files_at_path = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
+                                  retry_minutes=cfg.trainer.load_retry_minutes)
     if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
         from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSnapshotStore
 
-        snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
-                                         retry_minutes=cfg.trainer.load_retry_minutes,
-                                         save_retry_minutes=cfg.trainer.save_retry_minutes,
-                                         collective_timeout_minutes=config.rank0_wait_minutes(cfg.trainer))
+        saves_to = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
+                                        retry_minutes=cfg.trainer.load_retry_minutes,
+                                        save_retry_minutes=cfg.trainer.save_retry_minutes,
+                                        collective_timeout_minutes=config.rank0_wait_minutes(cfg.trainer))
     else:
-        snapshots = store
-    distributed.on_main_then_share(snapshots.check_writable, dist)
-    lock = RunLock(store)  # one live run per snapshot location; rank 0 holds it
+        saves_to = files_at_path
+    distributed.on_main_then_share(saves_to.check_writable, dist)
+    lock = RunLock(files_at_path)  # one live run per snapshot location; rank 0 holds it
     distributed.on_main_then_share(lock.acquire, dist)
     try:
         from_ddp = distributed.on_main_then_share(
-            lambda: fsdp_continues_ddp_snapshots(cfg, store, snapshot_options), dist)
-        outcome = _resume_or_start(cfg, dist, run_dir, snapshots, store if from_ddp else None, lock)
+            lambda: fsdp_continues_ddp_snapshots(cfg, files_at_path, snapshot_options), dist)
+        outcome = _resume_or_start(cfg, dist, run_dir, saves_to, files_at_path if from_ddp else None, lock)
         distributed.on_main_then_share(lock.raise_if_lost, dist)  # lost after the last stop agreement
         return outcome
     finally:
@@ -187,81 +210,110 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
     return False
 
 
-def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
+class RunData(NamedTuple):
+    """What the run trains on: the corpus (in the ids the weights use), its tokenizer, the
+    vocabulary the snapshots record, and the model's shape."""
+    corpus: Any
+    tokenizer: Any
+    vocab: Any
+    model_cfg: GPTConfig
+
+
+def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
                      ddp_files: Optional[SnapshotStore] = None,
                      lock: Optional[RunLock] = None) -> tuple[str, Optional[float], str]:
-    """`store`: where this run saves; `ddp_files`: the DDP snapshots an FSDP run starts from;
-    `lock`: the run lock rank 0 holds (losing it stops the run)."""
-    found = load_agreed_snapshot(ddp_files or store, dist)
-    saved_tokenizer = None
-    if found is not None:
-        check_same_tokenizer(found[0], found[1], cfg.data)
-        if (found[0].get("tokenizer") or {}).get("kind", "char") != "char":
-            saved_tokenizer = found[0]["tokenizer"]  # encode with exactly the run's BPE / GPT-2 tokenizer
-
-    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, tokenizer_state=saved_tokenizer)
-    vocab = corpus.vocab
-    if found is not None:
-        snapshot, where = found
-        if saved_tokenizer is None:
-            vocab = Vocabulary(snapshot["vocab"])
-    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
+    """`saves_to`: the store this run saves to (and resumes from); `ddp_files`: the DDP
+    snapshots an FSDP run starts from; `lock`: the run lock rank 0 holds (losing it stops the run).
+    Every rank goes through the same steps in the same order: each has collectives."""
+    found = load_agreed_snapshot(ddp_files or saves_to, dist)
+    data = build_data(cfg, dist, found)
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
         optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
-        on_every_rank(lambda: check_compatible(snapshot, where, model_cfg, corpus.vocab, optimizer), dist)
-        lifted = time_budget.lift_changed_plan(snapshot, cfg.trainer.time_budget_minutes)
-        if lifted and dist.is_main:
-            log.info(lifted)
-        state = TrainState(**snapshot["train_state"])
-        if is_finished(state, cfg.trainer):  # recognised before building anything: sweeps skip it fast
-            if dist.is_main:
-                by_plan = not is_finished(dataclasses.replace(state, planned_steps=None), cfg.trainer)
-                further = (time_budget.how_to_extend(state, cfg.trainer.time_budget_minutes) if by_plan
-                           else "raise trainer.max_epochs/max_steps to train further")
-                log.info("run already finished (epoch %d, step %d, snapshot %s): nothing to do; %s, or start a new run",
-                         state.epoch, state.step, where, further)
-            return "finished earlier", state.last_val_loss, store.url
-        if vocab != corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, vocab)
+        on_every_rank(lambda: check_compatible(found.snapshot, found.where, data.model_cfg, data.corpus.vocab,
+                                               optimizer), dist)
+        finished = finished_earlier(cfg, dist, found)
+        if finished is not None:  # recognised before building anything: sweeps skip it fast
+            return "finished earlier", finished.last_val_loss, saves_to.url
+        if data.vocab != data.corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
+            corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab)
+            data = data._replace(corpus=corpus, tokenizer=tok)
+    return run_training(cfg, dist, run_dir, saves_to, ddp_files, lock, found, data)
 
+
+def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) -> RunData:
+    """The corpus and model shape: a resumed run keeps the snapshot's tokenizer and vocabulary."""
+    saved_tokenizer = None
+    if found is not None:
+        check_same_tokenizer(found.snapshot, found.where, cfg.data)
+        if (found.snapshot.get("tokenizer") or {}).get("kind", "char") != "char":
+            saved_tokenizer = found.snapshot["tokenizer"]  # encode with exactly the run's BPE / GPT-2 tokenizer
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, tokenizer_state=saved_tokenizer)
+    vocab = corpus.vocab
+    if found is not None and saved_tokenizer is None:
+        vocab = Vocabulary(found.snapshot["vocab"])
+    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
+    return RunData(corpus, tok, vocab, model_cfg)
+
+
+def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot) -> Optional[TrainState]:
+    """The snapshot's state if it ended its run (under this config's limits), else None."""
+    lifted = time_budget.lift_changed_plan(found.snapshot, cfg.trainer.time_budget_minutes)
+    if lifted and dist.is_main:
+        log.info(lifted)
+    state = TrainState(**found.snapshot["train_state"])
+    if not is_finished(state, cfg.trainer):
+        return None
+    if dist.is_main:
+        by_plan = not is_finished(dataclasses.replace(state, planned_steps=None), cfg.trainer)
+        further = (time_budget.how_to_extend(state, cfg.trainer.time_budget_minutes) if by_plan
+                   else "raise trainer.max_epochs/max_steps to train further")
+        log.info("run already finished (epoch %d, step %d, snapshot %s): nothing to do; %s, or start a new run",
+                 state.epoch, state.step, found.where, further)
+    return state
+
+
+def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_files: Optional[SnapshotStore],
+                 lock: Optional[RunLock], found: Optional[AgreedSnapshot], data: RunData) -> tuple[str, Optional[float], str]:
+    """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-    model = parallel.build_model(cfg.trainer, model_cfg)  # under FSDP: on the meta device, shards filled in later
+    model = parallel.build_model(cfg.trainer, data.model_cfg)  # under FSDP: on the meta device, shards filled in later
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
-
+    vocab, tok = data.vocab, data.tokenizer
     metadata = {
         "vocab": vocab.chars if isinstance(vocab, Vocabulary) else "",  # characters (as before tokenizers)
         "tokenizer": tok.to_dict(),  # what sample, export and a resume decode and encode with
-        "model_config": dict(vars(model_cfg)),
+        "model_config": dict(vars(data.model_cfg)),
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank
-    previous_runs = snapshot.get("logger_runs") if found is not None else None
+    previous_runs = found.snapshot.get("logger_runs") if found is not None else None
     distributed.on_main_then_share(lambda: sinks.extend(loggers.open_sinks(cfg, metadata["config"], run_dir,
                                                                            previous_runs)), dist)
     metadata["logger_runs"] = loggers.run_ids(sinks)  # a resume continues the same tracker runs
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
     outcome = "failed"
     try:
-        sharded = not isinstance(store, SnapshotStore)
+        sharded = not isinstance(saves_to, SnapshotStore)
         if sharded:  # every rank saves its own shard
             from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
-            saver = ShardedSaver(store, run_lock=lock)
+            saver = ShardedSaver(saves_to, run_lock=lock)
         else:
-            saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
-        trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
+            saver = BackgroundSaver(saves_to, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
+        trainer = Trainer(cfg.trainer, cfg.optimizer, model, data.corpus, dist, metrics, saver, metadata, lock,
                           token_bytes=torch.from_numpy(tok.byte_lengths()),
-                          resumed_precision=snapshot.get("precision") if found is not None else None)
+                          resumed_precision=found.snapshot.get("precision") if found is not None else None)
         if found is not None:
+            snapshot = found.snapshot
             if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
                 shards = trainer.strategy.state_dicts(trainer.optimizer)
-                store.load(where, shards)
+                saves_to.load(found.where, shards)
                 snapshot = {**snapshot, **shards}
             trainer.load_state_dict(snapshot)
-            metrics.note(f"resumed from {where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
+            metrics.note(f"resumed from {found.where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
                          + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
-                            f"{store.display(store.root)})" if ddp_files is not None else ""))
+                            f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
         metrics.total_steps = trainer.total_steps
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
@@ -274,7 +326,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
                 metrics.note(preview)
     finally:
         metrics.close(outcome)
-    return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, store.url
+    return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, saves_to.url
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -395,10 +447,10 @@ def main(cfg: DictConfig) -> Optional[float]:
         _check_ranks_resolved_the_same(cfg)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
-    except ConfigError as exc:
+    except UserFacingError as exc:  # bad input (ConfigError) or a failed run (RunError): one line, exit 2
         _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
-            sys.exit(ConfigError.exit_code)
+            sys.exit(exc.exit_code)
         status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
         run_dir = HydraConfig.get().runtime.output_dir
         _failed_points.append(str(HydraConfig.get().job.num))
@@ -451,7 +503,7 @@ def run() -> None:
             print(f"error: {len(_failed_points)} of {_points_run} sweep points failed "
                   f"(point {', '.join(_failed_points)}): their errors are in the sweep's summary.md",
                   file=sys.stderr, flush=True)
-        sys.exit(ConfigError.exit_code)
+        sys.exit(UserFacingError.exit_code)
 
 
 if __name__ == "__main__":

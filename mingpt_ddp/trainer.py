@@ -1,8 +1,28 @@
 """The training loop: one optimizer step, one evaluation, and when to save.
 
-How a snapshot reaches its storage is snapshot.py's business; what to train on is
+How a snapshot reaches its storage is checkpoint/'s business; what to train on is
 char_dataset.py's; how the model is spread over the ranks (DDP or FSDP) is parallel.py's;
 this file only runs the loop.
+
+Invariants a change here must keep:
+
+- Lockstep collectives. Every rank makes the same collectives in the same order, so every
+  decision that leads to one is taken from values all ranks share: the step counter, the
+  config, and the answer of the stop agreement (one all_reduce_max at every log step and at
+  least every trainer.stop_check_seconds: signals, rank 0's time-based save, a failed save,
+  a lost run lock). Evaluations (all_reduce_sum), saves (wait_for_main: rank 0 works, the
+  others wait in the store, not in a collective), the metrics line (all_reduce_sum) and the
+  end-of-run fingerprint check all follow from those shared values. A rank-local condition
+  (a clock, a file, a signal seen by one rank) must go through the agreement first.
+- Bit-identical resume. A snapshot holds everything the next step depends on: model and
+  optimizer state, scaler, TrainState (epoch, step, position in the epoch, the time budget's
+  plan), every rank's RNG state and the global batch. The data order is a function of
+  (seed, epoch) and the position in the epoch, never of how many steps this process ran;
+  nothing random may be drawn outside the RNG streams the snapshot restores, and a resumed
+  run must take the same branches at the same steps as an uninterrupted one.
+- What tokens/s measures. The StepTimer runs over optimizer steps only: evaluations and
+  saves sit between timer.pause() and timer.resume(), so tokens/s and MFU are the training
+  steps' alone, while wall tokens/s counts everything.
 """
 from __future__ import annotations
 
@@ -20,7 +40,7 @@ from mingpt_ddp import determinism, distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, RunError
 from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
@@ -319,7 +339,7 @@ class Trainer:
         lost = distributed.wait_for_main(lambda: self.run_lock.lost if self.run_lock is not None else None,
                                          "checking the run lock")
         if lost:
-            raise ConfigError(lost)
+            raise RunError(lost)
         state = self.state_dict()  # collective (RNG states): every rank takes part
         self._last_save_step = self.state.step
         self._last_save_time = time.monotonic()
@@ -540,9 +560,9 @@ class Trainer:
                                                             int(self.cfg.stop_check_seconds / max(step_seconds, 1e-9))))
         if lock_lost:
             lost = self.run_lock.lost if self.run_lock is not None else None
-            raise ConfigError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
+            raise RunError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
         if save_failed:
-            raise ConfigError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
+            raise RunError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
         return int(stop_signal), save_due > 0
 
     def _wait_for_saves(self) -> None:
@@ -555,7 +575,7 @@ class Trainer:
             error = distributed.wait_for_main(lambda: self.saver.wait() if self.saver else None,
                                               "saving the last snapshot")
         if error:
-            raise ConfigError(error)
+            raise RunError(error)
 
     def _newest_saved(self) -> Optional[str]:
         """The newest snapshot this run has saved (rank 0 knows; under FSDP every rank)."""
@@ -600,7 +620,7 @@ class Trainer:
             self.metrics.note(f"parameters identical on all {len(prints)} rank(s) (sha256 {prints[0]})")
             return
         by_rank = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
-        raise ConfigError(  # every rank raises it: the run ends with a non-zero exit, not a log line
+        raise RunError(  # every rank raises it: the run ends with a non-zero exit, not a log line
             f"parameters differ between ranks at the end of training ({by_rank}): the replicas diverged "
             "(different code or data on some nodes, or a hardware fault); the last snapshot holds rank 0's "
             "weights: compare the nodes' environments before trusting it"

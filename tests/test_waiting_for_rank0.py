@@ -70,7 +70,7 @@ def test_a_save_retried_longer_than_the_collective_timeout_does_not_time_out_the
 WAIT_FOREVER = textwrap.dedent("""
     import sys, time
     from mingpt_ddp import distributed
-    from mingpt_ddp.errors import ConfigError
+    from mingpt_ddp.errors import RunError
     dist = distributed.setup(timeout_minutes=0.05, rank0_wait_minutes=float(sys.argv[1]))
     def rank0_work():
         time.sleep(float(sys.argv[2]))
@@ -82,8 +82,8 @@ WAIT_FOREVER = textwrap.dedent("""
         else:
             outcome = distributed.wait_for_main(rank0_work, 'sleeping')
         print(f"rank {dist.rank}: {outcome} after {time.monotonic() - start:.1f} s", flush=True)
-    except ConfigError as exc:
-        print(f"rank {dist.rank}: ConfigError after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+    except RunError as exc:
+        print(f"rank {dist.rank}: RunError after {time.monotonic() - start:.1f} s: {exc}", flush=True)
         distributed.shutdown(clean=False)
         sys.exit(2)
     distributed.shutdown(clean=True)
@@ -110,8 +110,8 @@ def test_waiting_for_rank_0_outlasts_the_collective_timeout_and_is_bounded_by_it
     waited = float(text.split("rank 1: done after ")[1].split(" s")[0])
     assert waited >= 7, text
     text = run_wait(tmp_path, wait_minutes=0.1, work_s=30)
-    assert "rank 1: ConfigError after" in text and "waited 0.1 minutes for rank 0 sleeping" in text, text
-    waited = float(text.split("rank 1: ConfigError after ")[1].split(" s")[0])
+    assert "rank 1: RunError after" in text and "waited 0.1 minutes for rank 0 sleeping" in text, text
+    waited = float(text.split("rank 1: RunError after ")[1].split(" s")[0])
     assert 5 <= waited < 20, text
 
 
@@ -120,6 +120,6 @@ def test_a_corpus_encoding_longer_than_the_wait_names_prepare_not_a_hung_node(tm
     """The others wait for each node's first process encoding the corpus within the rank-0
     wait; past it, the one line points to encoding ahead, not to a hung node."""
     text = run_wait(tmp_path, 0.1, 30, "data")
-    line = next((l for l in text.splitlines() if l.startswith("rank 1: ConfigError after")), "")
+    line = next((l for l in text.splitlines() if l.startswith("rank 1: RunError after")), "")
     assert "preparing its data" in line and "python -m mingpt_ddp.prepare" in line, text
     assert "check that node, then run" not in line, text

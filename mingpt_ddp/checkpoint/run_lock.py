@@ -62,7 +62,7 @@ except ImportError:  # Windows: leases only
     fcntl = None  # type: ignore[assignment]
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, RunError
 
 log = logging.getLogger(__name__)
 
@@ -682,7 +682,7 @@ class RunLock:
     def raise_if_lost(self) -> None:
         """For after the run: a lock lost since the last stop agreement is still an error."""
         if self.lost:
-            raise ConfigError(self.lost)
+            raise RunError(self.lost)
 
     def release(self) -> None:
         """Stop the heartbeat (joined: no thread outlives the run) and remove the lock if ours."""

@@ -70,7 +70,7 @@ import torch.distributed as torch_dist
 
 from mingpt_ddp import config, distributed
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu)
 
@@ -1090,7 +1090,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             nccl_log_to_files()  # before NCCL starts
         dist = distributed.setup()
         result = RUNNERS[mode](dist, options, overrides)
-    except ConfigError as exc:
+    except UserFacingError as exc:
         rank = int(os.environ.get("RANK", "0"))
         if distributed.first_to_report(str(exc), "bench"):  # once, by a rank that hit it
             print(f"{f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr, flush=True)

@@ -35,7 +35,7 @@ import torch.distributed as torch_dist
 from mingpt_ddp.tools import bench
 from mingpt_ddp import distributed
 from mingpt_ddp.distributed import DistEnv
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, UserFacingError
 
 TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -218,7 +218,7 @@ def run() -> Optional[str]:
 def main() -> int:
     try:
         problem = run()
-    except ConfigError as exc:
+    except UserFacingError as exc:
         problem = str(exc)
     if problem is None:
         return 0

@@ -19,7 +19,7 @@ from typing import Optional
 from mingpt_ddp import config
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import token_cache
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, UserFacingError
 
 USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe data.vocab_size=N data.cache_dir=DIR ...]"
 
@@ -45,7 +45,7 @@ def cli(argv: Optional[list[str]] = None) -> None:
 
     try:
         made = prepare(argv)
-    except ConfigError as exc:
+    except UserFacingError as exc:
         print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     except (HydraException, OmegaConfBaseException) as exc:  # an unknown key or a wrong type

@@ -1,0 +1,34 @@
+"""Bad input and failed runs are distinct exception types with the same one-line, exit-2
+treatment, and a rank raises the type another rank raised."""
+import pytest
+
+from mingpt_ddp import distributed
+from mingpt_ddp.errors import ConfigError, RunError, UserFacingError
+
+pytestmark = pytest.mark.unit
+
+
+def raising(exc):
+    def fn():
+        raise exc
+    return fn
+
+
+def test_bad_input_and_run_failures_are_distinct_but_both_exit_2():
+    assert not issubclass(RunError, ConfigError) and not issubclass(ConfigError, RunError)
+    assert ConfigError.exit_code == RunError.exit_code == UserFacingError.exit_code == 2
+
+
+@pytest.mark.parametrize("error_type", [ConfigError, RunError])
+def test_the_error_shared_with_other_ranks_keeps_its_type_and_message(error_type):
+    outcome, mine = distributed._outcome(raising(error_type("saving snapshots failed")))
+    assert isinstance(mine, error_type)
+    with pytest.raises(error_type, match="^saving snapshots failed$"):
+        distributed._raise_outcome(outcome, "rank 0")
+
+
+def test_a_bug_is_not_turned_into_a_user_facing_error():
+    outcome, _ = distributed._outcome(raising(KeyError("x")))
+    with pytest.raises(RuntimeError, match="rank 0 failed: KeyError") as err:
+        distributed._raise_outcome(outcome, "rank 0")
+    assert not isinstance(err.value, UserFacingError)
