@@ -25,7 +25,8 @@ def decide(entry: str) -> dict:
     """One decision in this process, with a cache of its own."""
     import torch
 
-    from mingpt_ddp import bench, precision
+    from mingpt_ddp import precision
+    from mingpt_ddp.tools import bench
     from mingpt_ddp.model import GPT, GPTConfig
 
     cfg = bench.compose([entry if "=" in entry else f"model={entry}", "trainer.precision=fp32"])
@@ -53,7 +54,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(decide(args.child)))
         return
-    from mingpt_ddp.bench import AVX2_ENV, PRECISION_TABLE
+    from mingpt_ddp.tools.bench import AVX2_ENV, PRECISION_TABLE
 
     rows = []
     for entry in args.models.split(",") if args.models else PRECISION_TABLE:

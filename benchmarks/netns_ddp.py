@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from conftest import TINY, corpus_path  # noqa: E402
-from mingpt_ddp import bench  # noqa: E402
+from mingpt_ddp.tools import bench  # noqa: E402
 from netns_hosts import Network  # noqa: E402
 
 PYTHON = sys.executable

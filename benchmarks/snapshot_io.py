@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
 from mingpt_ddp.model import GPT, GPTConfig  # noqa: E402
-from mingpt_ddp.snapshot import SnapshotStore, encode, to_cpu  # noqa: E402
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore, encode, to_cpu  # noqa: E402
 
 
 def snapshot_state(preset: str) -> dict:

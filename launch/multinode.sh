@@ -66,11 +66,11 @@
 #                   with RDMA read (p4d, p4de, p5*, p6*, trn1*, trn2*). A variable you exported
 #                   yourself is never changed; the topology line says what was set and kept.
 #   EC2_INSTANCE_TYPE  instance type for that RDMA choice [/sys/devices/virtual/dmi/id/product_name]
-#   PREFLIGHT       0 / 1 / only [0]. 1: before training, run mingpt_ddp/preflight.py through
+#   PREFLIGHT       0 / 1 / only [0]. 1: before training, run mingpt_ddp/tools/preflight.py through
 #                   the same torchrun topology (every node's devices and versions, an
 #                   all_reduce sweep); a failed check stops the job before training. only:
 #                   run the checks and exit. PREFLIGHT_MIN_BUSBW (GB/s, default off) and
-#                   PREFLIGHT_MAX_BYTES are read by the checks (see mingpt_ddp/preflight.py).
+#                   PREFLIGHT_MAX_BYTES are read by the checks (see mingpt_ddp/tools/preflight.py).
 #   PREFLIGHT_PORT  rendezvous port of the checks [RDZV_PORT + 1], so that a node that
 #                   finishes them first cannot meet the head's finished round
 #   OMP_NUM_THREADS [this node's cores / NPROC_PER_NODE]; TORCHINDUCTOR_COMPILE_THREADS
@@ -79,7 +79,7 @@
 #                   its directory is created on every node, for the NCCL flight recorder's dumps
 #
 # Prints one line with the resolved topology, then torchrun's and the trainer's output.
-# torchrun runs as mingpt_ddp/torchrun.py: a failed rendezvous, a lost head, or workers
+# torchrun runs as mingpt_ddp/tools/torchrun.py: a failed rendezvous, a lost head, or workers
 # that reported their own error end in one `error:` line instead of tracebacks.
 # Exit code: torchrun's; 1 when the head cannot be reached or the setup is wrong.
 set -euo pipefail
@@ -195,7 +195,7 @@ export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-$OMP_NUM_T
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 
 # ---- the network: this machine's address and interface toward HEAD_NODE -------------------
-# From the routing table (mingpt_ddp/network.py), not from the host name: on machines with
+# From the routing table (mingpt_ddp/tools/network.py), not from the host name: on machines with
 # several interfaces the host name resolves to another one, or to loopback. The collectives
 # (gloo, NCCL's sockets) bind that interface and this node advertises that address.
 head_local=0 route_addr="" route_iface=""
@@ -291,7 +291,7 @@ PREFLIGHT_PORT=${PREFLIGHT_PORT:-$((RDZV_PORT + 1))}
 
 # Whether this node hosts the rendezvous: Slurm's node 0 (when HEAD_NODE is the first node),
 # or IS_HEAD; both are passed on to torchrun (is_host). Otherwise a node hosts it when
-# HEAD_NODE is this machine's name or one of its addresses, and mingpt_ddp/torchrun.py decides
+# HEAD_NODE is this machine's name or one of its addresses, and mingpt_ddp/tools/torchrun.py decides
 # at start: the first agent on this machine to take the port hosts, any other joins it (several
 # "machines" on one host). torchrun alone would compare HEAD_NODE with what the host name
 # resolves to, and nobody would host where that is another interface.

@@ -89,7 +89,7 @@ def torch_too_old_message(version: str, floor: tuple[int, ...] = TORCH_FLOOR) ->
 
 def torch_version(spec: importlib.machinery.ModuleSpec) -> str:
     """The version of the torch `spec` finds, read from its version.py without importing torch:
-    the torchrun agent (mingpt_ddp.torchrun) imports torch itself, with c10's C++ log level
+    the torchrun agent (mingpt_ddp.tools.torchrun) imports torch itself, with c10's C++ log level
     set first (c10 reads it once, at torch's first import)."""
     for location in spec.submodule_search_locations or []:
         try:

@@ -522,3 +522,23 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     if torch_dist.is_initialized():
         torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MAX)
     return tensor
+
+
+def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
+    """Run `fn` on every rank; if it raised a ConfigError on any rank, raise it on all.
+
+    For steps that can fail on some ranks only (a node's own disk or cache): without this,
+    the failing ranks would leave (or, in a sweep, go on to the next point) while the
+    others wait in the next collective.
+    """
+    result, error = None, None
+    try:
+        result = fn()
+    except ConfigError as exc:
+        error = str(exc)
+    errors = [(rank, e) for rank, e in enumerate(all_gather_object(error)) if e is not None]
+    if errors:
+        if len(errors) == dist.world_size:
+            raise ConfigError(errors[0][1])
+        raise ConfigError(f"on rank(s) {', '.join(str(r) for r, _ in errors)} of {dist.world_size}: {errors[0][1]}")
+    return result

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional
 
 if __package__ in (None, ""):
     # Run as a script (`torchrun mingpt_ddp/main.py`): import the package from this checkout,
@@ -49,60 +49,22 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp import (cluster, config, distributed, loggers, parallel, preemption, profiling, sample, storage,
-                        time_budget, token_cache, tokenizer)
-from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
-from mingpt_ddp.distributed import DistEnv
+from mingpt_ddp import cluster, config, distributed, loggers, parallel, preemption, profiling, time_budget
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.char_dataset import Vocabulary
+from mingpt_ddp.corpus.token_cache import load_corpus
+from mingpt_ddp.distributed import DistEnv, on_every_rank
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import MetricsLog
+from mingpt_ddp.metrics import RESULT_FILE, MetricsLog, sample_preview, write_result
 from mingpt_ddp.model import GPTConfig
-from mingpt_ddp.run_lock import RunLock
-from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
-from mingpt_ddp.sweep import RESULT_FILE, write_result
+from mingpt_ddp.checkpoint.run_lock import RunLock
+from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
 log = logging.getLogger("mingpt_ddp")
-T = TypeVar("T")
 config.register()
 cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
-
-
-def tokenization(cfg: config.DataConfig, state: Optional[dict[str, Any]] = None) -> token_cache.Tokenization:
-    """data.tokenizer and the keys that decide its ids; `state`: a snapshot's BPE or GPT-2 tokenizer."""
-    return token_cache.Tokenization(kind=getattr(cfg.tokenizer, "value", cfg.tokenizer), vocab_size=cfg.vocab_size,
-                                    train_chars=cfg.tokenizer_train_chars, text_column=cfg.text_column,
-                                    val_fraction=cfg.val_fraction, state=state)
-
-
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
-                tokenizer_state: Optional[dict[str, Any]] = None
-                ) -> tuple[CharCorpus, token_cache.TokenFile, tokenizer.Tokenizer]:
-    """Encode the corpus once per node into a token file in data.cache_dir (streaming;
-    remote files fetched and a missing local file downloaded first; reused while the
-    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's
-    characters) or `tokenizer_state` (a snapshot's BPE or GPT-2 tokenizer) gives the ids
-    instead of data.tokenizer's own. Returns the corpus, its token file and its tokenizer."""
-    options = storage.resolve_options(cfg.storage_options, "data.storage_options")
-    made: list[token_cache.TokenFile] = []
-    distributed.on_main_then_share(
-        lambda: made.append(token_cache.prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
-                                                vocab.chars if vocab is not None else None,
-                                                tokenization(cfg, tokenizer_state))),
-        dist, once_per_node=True,
-    )
-    token_file = token_cache.this_nodes_token_file(made[0] if made else None, dist)
-
-    def open_here() -> tuple[CharCorpus, tokenizer.Tokenizer]:  # each rank maps its node's file: it may fail on some ranks only
-        tokens = token_cache.open_tokens(token_file, cfg.cache_dir)
-        tok = token_cache.load_tokenizer(token_file, cfg.cache_dir)
-        ids_of = tok.vocab if isinstance(tok, tokenizer.CharTokenizer) else tok
-        corpus = CharCorpus.from_tokens(tokens, ids_of, cfg.val_fraction, token_file.train_tokens)
-        corpus.check_block_size(cfg.block_size)
-        return corpus, tok
-
-    corpus, tok = on_every_rank(open_here, dist)
-    return corpus, token_file, tok
 
 
 def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataConfig) -> None:
@@ -117,26 +79,6 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
         now = f"data.tokenizer={kind}" + (f" data.vocab_size={cfg.vocab_size}" if kind == "bpe" else "")
         raise ConfigError(f"snapshot {where} was trained with {was} but the config says {now}: set {was} to resume "
                           "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
-
-
-def on_every_rank(fn: Callable[[], T], dist: DistEnv) -> T:
-    """Run `fn` on every rank; if it raised a ConfigError on any rank, raise it on all.
-
-    For steps that can fail on some ranks only (a node's own disk or cache): without this,
-    the failing ranks would leave (or, in a sweep, go on to the next point) while the
-    others wait in the next collective.
-    """
-    result, error = None, None
-    try:
-        result = fn()
-    except ConfigError as exc:
-        error = str(exc)
-    errors = [(rank, e) for rank, e in enumerate(distributed.all_gather_object(error)) if e is not None]
-    if errors:
-        if len(errors) == dist.world_size:
-            raise ConfigError(errors[0][1])
-        raise ConfigError(f"on rank(s) {', '.join(str(r) for r, _ in errors)} of {dist.world_size}: {errors[0][1]}")
-    return result
 
 
 def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
@@ -203,7 +145,7 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[f
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
     store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
     if parallel.strategy_name(cfg.trainer) == "fsdp":  # every rank writes its shard (sharded_snapshot.py)
-        from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore
+        from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSnapshotStore
 
         snapshots = ShardedSnapshotStore(path, cfg.trainer.keep_last, snapshot_options,
                                          retry_minutes=cfg.trainer.load_retry_minutes,
@@ -228,7 +170,7 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
     """Whether an FSDP run starts from DDP snapshot files (True: each rank takes its shard of
     them; its own snapshots are sharded from then on). An FSDP run's shards are not resumed
     by DDP: refused, saying how."""
-    from mingpt_ddp.sharded_snapshot import is_sharded
+    from mingpt_ddp.checkpoint.sharded_snapshot import is_sharded
 
     sharded = is_sharded(store.url, options)
     if parallel.strategy_name(cfg.trainer) == "fsdp":
@@ -300,7 +242,8 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     try:
         sharded = not isinstance(store, SnapshotStore)
         if sharded:  # every rank saves its own shard
-            saver = parallel.ShardedSaver(store, run_lock=lock)
+            from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver  # with its store (imports DCP)
+            saver = ShardedSaver(store, run_lock=lock)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, corpus, dist, metrics, saver, metadata, lock,
@@ -322,7 +265,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
-            preview = sample.preview(model, tok, run_dir)  # the same text on every rank: same seed
+            preview = sample_preview(model, tok, run_dir)  # the same text on every rank: same seed
             if dist.is_main:
                 metrics.note(preview)
     finally:

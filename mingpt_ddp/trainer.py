@@ -25,7 +25,7 @@ from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest, shield_compile_workers
-from mingpt_ddp.snapshot import BackgroundSaver
+from mingpt_ddp.checkpoint.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
 log = logging.getLogger(__name__)

@@ -124,7 +124,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def load_snapshot(path: Path) -> dict:
-    from mingpt_ddp.snapshot import decode
+    from mingpt_ddp.checkpoint.snapshot import decode
 
     return decode(path.read_bytes(), str(path))
 

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import fully_shard
 
 from mingpt_ddp.distributed import shutdown
 from mingpt_ddp.model import GPT, GPTConfig
-from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, ShardedSnapshotStore
+from mingpt_ddp.checkpoint.sharded_snapshot import COMMIT_DELAY_ENV, ShardedSnapshotStore
 
 CFG = GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=32)
 

@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import preflight
+from mingpt_ddp.tools import preflight
 
 real_all_reduce = torch_dist.all_reduce
 

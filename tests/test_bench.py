@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import PYTHON, REPO, TORCHRUN
-from mingpt_ddp import bench
+from mingpt_ddp.tools import bench
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import mfu
 from mingpt_ddp.model import GPT, GPTConfig

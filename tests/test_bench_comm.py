@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import PYTHON, REPO, TORCHRUN
-from mingpt_ddp import bench
+from mingpt_ddp.tools import bench
 from mingpt_ddp.errors import ConfigError
 
 # NCCL INFO lines as NCCL 2.21 and aws-ofi-nccl print them (formats as in public NCCL and

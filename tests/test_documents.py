@@ -6,7 +6,7 @@ import json
 import fsspec
 import pytest
 
-from mingpt_ddp import documents
+from mingpt_ddp.corpus import documents
 from mingpt_ddp.errors import ConfigError
 
 pytestmark = pytest.mark.unit

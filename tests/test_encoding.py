@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from mingpt_ddp import encoding, tokenizer
+from mingpt_ddp.corpus import encoding, tokenizer
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.errors import ConfigError
 
@@ -102,7 +102,7 @@ def test_long_encodings_report_progress(caplog, monkeypatch):
     monkeypatch.setattr(encoding, "PROGRESS_S", 0.0)
     monkeypatch.setattr(encoding, "BATCH_CHARS_PER_CORE", 100)
     tok = tokenizer.CharTokenizer(Vocabulary(encoding.scan(as_stream(corpus_documents()), True).distinct))
-    with caplog.at_level(logging.INFO, logger="mingpt_ddp.encoding"):
+    with caplog.at_level(logging.INFO, logger="mingpt_ddp.corpus.encoding"):
         ids_written(tok, corpus_documents())
     lines = [r.getMessage() for r in caplog.records if "encoded" in r.getMessage()]
     assert len(lines) > 5 and "M characters" in lines[-1] and "s left" in lines[-1]

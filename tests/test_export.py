@@ -78,7 +78,7 @@ def test_export_from_an_s3_snapshot_with_safetensors(tmp_path, moto_s3):
 
     from conftest import s3_env
     from mingpt_ddp.model import GPT, GPTConfig
-    from mingpt_ddp.snapshot import encode
+    from mingpt_ddp.checkpoint.snapshot import encode
     from mingpt_ddp.trainer import TrainState
 
     cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=2, n_embd=8)

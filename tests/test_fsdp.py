@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 def full_model(path, **options):
     """The newest FSDP snapshot's whole model and metadata, read on this process alone."""
-    from mingpt_ddp.sharded_snapshot import load_full_model_state
+    from mingpt_ddp.checkpoint.sharded_snapshot import load_full_model_state
 
     return load_full_model_state(str(path), options or None)
 
@@ -45,7 +45,7 @@ def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, s
     state, meta = full_model(fsdp / "snapshot.pt")
     assert meta["train_state"]["step"] == 20 and meta["world_size"] == 2
     assert torch.equal(state["lm_head.weight"], state["wte.weight"])  # still tied after sharding
-    from mingpt_ddp.snapshot import decode
+    from mingpt_ddp.checkpoint.snapshot import decode
 
     ddp_state = decode((ddp / "snapshot.pt").read_bytes())["model"]
     drift = max((ddp_state[k] - state[k]).abs().max().item() for k in state)
@@ -70,7 +70,7 @@ def test_rank0_sigkilled_during_a_save_resumes_bit_identical_from_the_previous_s
     commit held back 2 s): that directory is never used, torchrun restarts the workers, and
     the run resumes from the previous snapshot and ends bit-identical to an uninterrupted
     one (dropout on: every rank's RNG comes back too)."""
-    from mingpt_ddp.sharded_snapshot import COMMIT_DELAY_ENV, MARKER
+    from mingpt_ddp.checkpoint.sharded_snapshot import COMMIT_DELAY_ENV, MARKER
 
     common = ["trainer.strategy=fsdp", "trainer.max_steps=40", "trainer.snapshot_every_steps=5",
               "optimizer.decay_steps=100"]

@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from conftest import TINY, output, run_cli
-from mingpt_ddp import token_cache
+from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 
 pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the http extra)")

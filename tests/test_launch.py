@@ -216,7 +216,7 @@ def test_preflight_commands(tmp_path):
     assert "--rdzv_endpoint=127.0.0.1:31000" in train and "mingpt_ddp/main.py model=gpt-nano" in train, train
     only = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env=clean_env(DRY_RUN="1", PREFLIGHT="only"))
-    assert only.stdout.count("\n") == 1 and "mingpt_ddp.preflight" in only.stdout, only.stdout
+    assert only.stdout.count("\n") == 1 and "mingpt_ddp.tools.preflight" in only.stdout, only.stdout
 
 
 # ---- train.sbatch's decisions, with a fake srun ---------------------------------------------------
@@ -412,7 +412,7 @@ def facts(host: str, workers: int = 8, gpus: int = 8, torch_version: str = "2.5.
 
 @pytest.mark.unit
 def test_preflight_node_checks_name_the_node():
-    from mingpt_ddp.preflight import check_comm, check_nodes, own_failure
+    from mingpt_ddp.tools.preflight import check_comm, check_nodes, own_failure
 
     assert check_nodes([facts("gpu-1"), facts("gpu-2")]) is None
     problem = check_nodes([facts("gpu-1"), facts("gpu-2", gpus=4)])

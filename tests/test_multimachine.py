@@ -189,7 +189,7 @@ def test_preflight_reports_what_the_workers_see_and_their_transport(tmp_path):
 
 STORE_CLOSES = '''
 import datetime, socket
-from mingpt_ddp import torchrun
+from mingpt_ddp.tools import torchrun
 torchrun._import_torch_quietly()
 from torch.distributed import TCPStore
 with socket.socket() as s:
@@ -207,7 +207,7 @@ except Exception as exc:
 
 @pytest.mark.dist
 def test_the_agents_store_failures_print_no_cpp_frames():
-    """The agent (mingpt_ddp.torchrun) imports torch with c10's log at FATAL: a store call that
+    """The agent (mingpt_ddp.tools.torchrun) imports torch with c10's log at FATAL: a store call that
     fails when the rendezvous host goes away reaches Python as one exception, without c10d's
     warning and its C++ frames. c10 reads the level once, when torch is first imported, so
     importing the package (its torch version check) must not import torch before the agent."""

@@ -1,4 +1,4 @@
-"""One live run per snapshot location (mingpt_ddp/run_lock.py), tried with real processes:
+"""One live run per snapshot location (mingpt_ddp/checkpoint/run_lock.py), tried with real processes:
 holders in other PID namespaces (`unshare`), SIGKILLed holders, two steps of one Slurm job,
 two runs taking over one stale lock at the same time, the requests an S3 server really
 receives (through a recording proxy on loopback), and a run that loses its lock."""
@@ -34,13 +34,13 @@ def no_job(monkeypatch):
 
 
 def lock_store(url, options=None):
-    from mingpt_ddp.snapshot import SnapshotStore
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
     return SnapshotStore(str(url), storage_options=options)
 
 
 def new_lock(url, options=None, **kwargs):
-    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.checkpoint.run_lock import RunLock
 
     return RunLock(lock_store(url, options), **kwargs)
 
@@ -85,8 +85,8 @@ def write_owner(url, options=None, **fields):
 
 HOLDER = """
 import json, os, sys
-from mingpt_ddp.snapshot import SnapshotStore
-from mingpt_ddp.run_lock import RunLock
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore
+from mingpt_ddp.checkpoint.run_lock import RunLock
 lock = RunLock(SnapshotStore(sys.argv[1], storage_options=json.loads(sys.argv[2]) or None))
 lock.acquire()
 print("held", os.getpid(), flush=True)
@@ -272,7 +272,7 @@ def test_two_runs_taking_over_one_stale_lock_leave_one_holder(where, tmp_path, r
     """B judges the stale owner gone; before B acts, A takes the lock over. B must not
     remove A's fresh lock: exactly one of them holds it, and the lock names that one."""
     from mingpt_ddp.errors import ConfigError
-    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.checkpoint.run_lock import RunLock
 
     if where.startswith("local-without-flock"):  # as on Lustre mounted without flock
         no_job.setattr(fcntl, "flock", no_flock)
@@ -357,7 +357,7 @@ def test_s3_lease_writes_are_conditional_as_the_server_receives_them(moto_s3, no
 def test_s3_leases_are_refused_without_conditional_writes(no_job, monkeypatch):
     """A botocore too old to send If-None-Match/If-Match (as with s3fs before 2024.12):
     one clear error, not an unconditional PUT."""
-    from mingpt_ddp import storage
+    from mingpt_ddp.checkpoint import storage
     from mingpt_ddp.errors import ConfigError
 
     monkeypatch.setattr(storage, "s3_put_parameters", lambda: {"Bucket", "Key", "Body"})
@@ -369,7 +369,7 @@ def test_s3_leases_are_refused_without_conditional_writes(no_job, monkeypatch):
 @pytest.mark.s3
 @pytest.mark.parametrize("where", ["local", pytest.param("moto_s3", marks=pytest.mark.slow)])
 def test_a_lock_taken_from_its_holder_is_reported_lost(where, tmp_path, request, no_job):
-    from mingpt_ddp.run_lock import RunLock
+    from mingpt_ddp.checkpoint.run_lock import RunLock
 
     url, options = where_to_lock(where, tmp_path, request)
     first = new_lock(url, options, heartbeat_s=0.1)
@@ -392,7 +392,7 @@ def test_a_lock_taken_from_its_holder_is_reported_lost(where, tmp_path, request,
 
 LOSER = """
 import runpy, sys
-from mingpt_ddp import run_lock
+from mingpt_ddp.checkpoint import run_lock
 run_lock.HEARTBEAT_S = 0.2
 sys.argv[0] = {main!r}
 runpy.run_path({main!r}, run_name="__main__")
@@ -498,7 +498,7 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
     """The loss is acted on at the next stop agreement; until then the saver already refuses
     to write, so a run that lost its lock never writes beside the new holder."""
     import torch
-    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
 
     url = str(tmp_path / "snapshot.pt")
     first = new_lock(url, heartbeat_s=0.1)
@@ -542,8 +542,8 @@ def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_jo
     """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
     learns it from rank 0's commit step) and no step directory is committed."""
     import torch
-    from mingpt_ddp.parallel import ShardedSaver
-    from mingpt_ddp.sharded_snapshot import MARKER, ShardedSnapshotStore
+    from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
+    from mingpt_ddp.checkpoint.sharded_snapshot import MARKER, ShardedSnapshotStore
 
     url = str(tmp_path / "snapshot.pt")
     first = new_lock(url, heartbeat_s=0.1)
@@ -569,7 +569,7 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
     within a few heartbeats, not STALE_AFTER_S."""
     import threading
 
-    from mingpt_ddp import run_lock
+    from mingpt_ddp.checkpoint import run_lock
     from mingpt_ddp.errors import ConfigError
 
     no_job.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # NFS local_lock, Lustre localflock
@@ -608,7 +608,7 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
 def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
     """Another run takes the lease over while its holder renews (right after the holder
     looked at it): the renewal fails and the taker's record stays."""
-    from mingpt_ddp.run_lock import _FileLease
+    from mingpt_ddp.checkpoint.run_lock import _FileLease
 
     path = str(tmp_path / ".snapshot.lock")
     holder = _FileLease(path)
@@ -637,7 +637,7 @@ def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_pat
 def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(tmp_path, monkeypatch, no_job):
     """Renewals failing (S3 unreachable): the holder counts its lease lost while its last
     heartbeat is still younger than stale_after_s, before any other run may judge it stale."""
-    from mingpt_ddp import run_lock
+    from mingpt_ddp.checkpoint import run_lock
 
     monkeypatch.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # a lease
     lock = new_lock(tmp_path / "snapshot.pt", heartbeat_s=0.3, stale_after_s=3.0)

@@ -13,7 +13,7 @@ from test_rank_agreement import args, expect_config_error, must_pass
 # ---- 4. retention next to a damaged snapshot -------------------------------------------------
 @pytest.mark.unit
 def test_retention_never_deletes_the_snapshot_just_written(tmp_path):
-    from mingpt_ddp.snapshot import SnapshotStore, encode
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore, encode
 
     store = SnapshotStore(str(tmp_path / "snapshot.pt"), keep_last=2)
     for step in (10, 20):

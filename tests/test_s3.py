@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, output, s3_env, s3_options
-from mingpt_ddp.snapshot import SnapshotStore, decode
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore, decode
 from s3_servers import ACCESS_KEY, READER_ACCESS_KEY, READER_SECRET_KEY, SECRET_KEY, free_ports
 from test_fault_tolerance import children, metrics_lines, rank_of, wait_for
 

@@ -11,7 +11,7 @@ from test_rank_agreement import expect_config_error
 @pytest.fixture(scope="module")
 def tiny_snapshot(tmp_path_factory):
     from mingpt_ddp.model import GPT, GPTConfig
-    from mingpt_ddp.snapshot import encode
+    from mingpt_ddp.checkpoint.snapshot import encode
 
     cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0)
     path = tmp_path_factory.mktemp("sample") / "snapshot.pt"

@@ -16,7 +16,7 @@ import torch
 
 from conftest import REPO, TORCHRUN, s3_options
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.sharded_snapshot import (
+from mingpt_ddp.checkpoint.sharded_snapshot import (
     COMMIT_DELAY_ENV, MARKER, META, ShardedSnapshotStore, is_sharded, load_full_model_state,
 )
 
@@ -74,7 +74,7 @@ def test_a_save_is_a_step_directory_published_by_its_marker_and_loads_back(tmp_p
 
 @pytest.mark.unit
 def test_shards_are_hashed_as_written_not_read_back(tmp_path, monkeypatch):
-    import mingpt_ddp.sharded_snapshot as sharded_snapshot
+    import mingpt_ddp.checkpoint.sharded_snapshot as sharded_snapshot
 
     read_back = []
     real = sharded_snapshot._sha256_of

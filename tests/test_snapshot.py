@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.snapshot import CorruptSnapshot, SnapshotStore, decode, encode
+from mingpt_ddp.checkpoint.snapshot import CorruptSnapshot, SnapshotStore, decode, encode
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ def test_a_streamed_snapshot_is_the_encoded_snapshot_and_old_headers_still_load(
     import hashlib
     import io
 
-    from mingpt_ddp.snapshot import SnapshotStore, decode, encode, header_step
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore, decode, encode, header_step
 
     state = sample_state()
     store = SnapshotStore(str(tmp_path / "snapshot.pt"))
@@ -40,7 +40,7 @@ def test_a_streamed_snapshot_is_the_encoded_snapshot_and_old_headers_still_load(
 
 @pytest.mark.unit
 def test_a_stream_that_fails_leaves_the_previous_snapshot_and_no_temp_file(tmp_path):
-    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
 
     store = SnapshotStore(str(tmp_path / "snapshot.pt"))
     saver = BackgroundSaver(store, retry_minutes=0.01)
@@ -57,7 +57,7 @@ def test_a_stream_that_fails_leaves_the_previous_snapshot_and_no_temp_file(tmp_p
 
 @pytest.mark.unit
 def test_copies_to_host_memory_are_deep_on_cpu():
-    from mingpt_ddp.snapshot import to_cpu
+    from mingpt_ddp.checkpoint.snapshot import to_cpu
 
     state = sample_state()
     pinned = {}
@@ -74,7 +74,7 @@ def test_a_state_saved_to_an_object_store_goes_as_one_object(moto_s3):
     import uuid
 
     from conftest import s3_options
-    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, encode
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore, encode
 
     bucket = f"test-{uuid.uuid4().hex[:12]}"
     moto_s3.make_bucket(bucket)

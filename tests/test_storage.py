@@ -12,10 +12,10 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import s3_options
-from mingpt_ddp import storage
-from mingpt_ddp.token_cache import ensure_local_copy, local_copy_path
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.corpus.token_cache import ensure_local_copy, local_copy_path
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, decode, encode
+from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore, decode, encode
 from s3_servers import READER_ACCESS_KEY, READER_SECRET_KEY, SECRET_KEY, free_ports
 
 
@@ -441,7 +441,7 @@ def test_remote_data_is_copied_to_the_node_cache_once_and_again_when_it_changes(
 
 @pytest.mark.unit
 def test_every_value_of_a_urls_query_is_redacted_whatever_its_name():
-    from mingpt_ddp.storage import redact_url_secrets
+    from mingpt_ddp.checkpoint.storage import redact_url_secrets
 
     shown = redact_url_secrets("data http://alice:<redacted>@127.0.0.1:8000/input.txt?X-Amz-Signature=<redacted>"
                                "&mytok=PLAINQ&flag: copying; step=5 mytok=kept")

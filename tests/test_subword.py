@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli
-from mingpt_ddp import export, sample, token_cache, tokenizer
+from mingpt_ddp.corpus import token_cache, tokenizer
+from mingpt_ddp.tools import export, sample
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.errors import ConfigError
 from test_token_cache import make_trainer
@@ -227,7 +228,7 @@ def test_prepare_encodes_ahead_of_the_job(tmp_path, small_corpus):
 SPY = """
 import os
 if os.environ.get("ENCODE_SPY"):
-    from mingpt_ddp import encoding
+    from mingpt_ddp.corpus import encoding
 
     def _spy(name):
         real = getattr(encoding, name)
@@ -320,7 +321,7 @@ def test_the_cache_lock_makes_a_second_process_wait_and_a_dead_ones_lock_is_take
     lease = lock.with_suffix(".lease")  # a name of its own: the kernel lock's file stays for good
     lease.write_text("node9 pid 4242\n")
     os.utime(lease, (time.time() - 5, time.time() - 5))
-    with caplog.at_level("WARNING", logger="mingpt_ddp.token_cache"):
+    with caplog.at_level("WARNING", logger="mingpt_ddp.corpus.token_cache"):
         hold("fourth", 0)
     assert events[-2:] == ["fourth in", "fourth out"] and "node9 pid 4242" in caplog.text
 

@@ -246,7 +246,7 @@ def test_bench_train_keeps_epoch_end_evaluations_out_of_the_timed_steps(tmp_path
     optimizer step takes 1 s, each evaluation 100 s; ms/step must read 1000."""
     import types
 
-    from mingpt_ddp import bench
+    from mingpt_ddp.tools import bench
     from mingpt_ddp.trainer import Trainer
 
     text = tmp_path / "small.txt"
@@ -282,7 +282,7 @@ def test_bench_train_keeps_epoch_end_evaluations_out_of_the_timed_steps(tmp_path
 
 @pytest.mark.unit
 def test_comm_iterations_are_at_least_nccl_tests_default():
-    from mingpt_ddp import bench
+    from mingpt_ddp.tools import bench
     assert [bench.comm_iters(s) for s in (8, 1 << 20, 64 << 20, 256 << 20)] == [100, 50, 20, 20]
 
 
@@ -302,7 +302,8 @@ def test_comm_data_stays_finite_over_many_iterations(tmp_path):
 
 SKEWED_CLOCK = textwrap.dedent("""
     import sys, time
-    from mingpt_ddp import bench, distributed
+    from mingpt_ddp import distributed
+    from mingpt_ddp.tools import bench
     dist = distributed.setup(timeout_minutes=0.5)
     if dist.rank == 1:  # this rank's clock jumps ahead after the first round: its deadline passes early
         real, calls = time.monotonic, []

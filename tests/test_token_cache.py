@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import MAIN, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_options
-from mingpt_ddp import char_dataset, distributed, token_cache
+from mingpt_ddp import char_dataset, distributed
+from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, to_device
 from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
 from mingpt_ddp.errors import ConfigError

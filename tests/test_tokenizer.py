@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt_ddp import documents, tokenizer
+from mingpt_ddp.corpus import documents, tokenizer
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import bits_per_byte, window_loss_sums

@@ -112,7 +112,7 @@ def test_dcp_metadata_file_name_matches_torchs_private_helper(tmp_path):
     reference. If torch drops or renames it, this fails: check metadata_file_name then."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from mingpt_ddp.sharded_snapshot import metadata_file_name
+    from mingpt_ddp.checkpoint.sharded_snapshot import metadata_file_name
 
     reader = FileSystemReader(str(tmp_path))
     assert hasattr(reader, "_get_metadata_path"), "torch removed FileSystemReader._get_metadata_path"
@@ -123,7 +123,7 @@ def test_dcp_metadata_file_name_matches_torchs_private_helper(tmp_path):
 @pytest.mark.unit
 def test_dcp_fsspec_reader_and_writer_are_where_sharded_snapshots_import_them():
     """Public classes in a private module: without them only local snapshot paths work."""
-    from mingpt_ddp import sharded_snapshot
+    from mingpt_ddp.checkpoint import sharded_snapshot
 
     assert sharded_snapshot.HAS_FSSPEC_DCP, "torch moved FsspecReader/FsspecWriter: object-store snapshots are refused"
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -135,7 +135,7 @@ def test_dcp_fsspec_reader_and_writer_are_where_sharded_snapshots_import_them():
 
 @pytest.mark.unit
 def test_sharded_snapshots_use_no_private_dcp_module_but_the_fsspec_one():
-    source = (REPO / "mingpt_ddp" / "sharded_snapshot.py").read_text()
+    source = (REPO / "mingpt_ddp" / "checkpoint" / "sharded_snapshot.py").read_text()
     private = set(re.findall(r"torch\.distributed\.checkpoint\.(_\w+)", source))
     assert private <= {"_fsspec_filesystem"}, private
     assert not re.search(r"import[^\n]*\b_(EmptyStateDictLoadPlanner|load_state_dict|traverse)\b", source)
@@ -156,7 +156,7 @@ class RunsCode:
 def test_optimizer_entries_that_are_not_plain_data_are_refused(tmp_path, capsys):
     """DCP unpickles non-tensor entries with plain pickle; they must pass weights_only first."""
     from mingpt_ddp.errors import ConfigError
-    from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore
+    from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSnapshotStore
 
     RunsCode.proof = tmp_path / "pwned"
     store = ShardedSnapshotStore(str(tmp_path / "snapshot.pt"))
@@ -188,7 +188,7 @@ def test_private_torch_names_with_a_fallback_are_still_there():
 def test_dcp_metadata_pickles_only_names_the_safe_unpickler_knows(tmp_path):
     """The restricted unpickler allows DCP's own private types by name (_StorageInfo,
     _MEM_FORMAT_ENCODING): a save and load round trip proves the names still match."""
-    from mingpt_ddp.sharded_snapshot import ShardedSnapshotStore, _MetadataUnpickler
+    from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSnapshotStore, _MetadataUnpickler
 
     store = ShardedSnapshotStore(str(tmp_path / "snapshot.pt"))
     assert store.save(3, {"model": {"w": torch.arange(4.0)}, "optimizer": {"param_groups": [{"lr": 1.0}]}}, {}) is None

@@ -61,7 +61,7 @@ try:
 except ImportError:  # Windows: leases only
     fcntl = None  # type: ignore[assignment]
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -16,14 +16,16 @@ import os
 import sys
 from typing import Optional
 
-from mingpt_ddp import config, storage, token_cache
+from mingpt_ddp import config
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.errors import ConfigError
 
 USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe data.vocab_size=N data.cache_dir=DIR ...]"
 
 
 def prepare(overrides: list[str]) -> token_cache.TokenFile:
-    from mingpt_ddp.main import tokenization
+    from mingpt_ddp.corpus.token_cache import tokenization
 
     cfg = config.compose(overrides, job_name="prepare")
     storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown

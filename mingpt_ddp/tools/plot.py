@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from mingpt_ddp.runs import distinguishing_overrides, read_metrics, sweep_points
+from mingpt_ddp.tools.runs import distinguishing_overrides, read_metrics, sweep_points
 
 
 def runs_in(target: Path) -> list[Path]:

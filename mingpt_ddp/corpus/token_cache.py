@@ -44,7 +44,11 @@ from typing import Any, Iterator, Mapping, Optional
 import numpy as np
 import torch
 
-from mingpt_ddp import distributed, documents, encoding, run_lock, storage, tokenizer
+from mingpt_ddp import config, distributed
+from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
+from mingpt_ddp.checkpoint import run_lock, storage
+from mingpt_ddp.corpus import documents, encoding, tokenizer
+from mingpt_ddp.distributed import DistEnv, on_every_rank
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -881,3 +885,40 @@ def _same_directory(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.abspath(a) == os.path.abspath(b)
+
+
+def tokenization(cfg: config.DataConfig, state: Optional[dict[str, Any]] = None) -> Tokenization:
+    """data.tokenizer and the keys that decide its ids; `state`: a snapshot's BPE or GPT-2 tokenizer."""
+    return Tokenization(kind=getattr(cfg.tokenizer, "value", cfg.tokenizer), vocab_size=cfg.vocab_size,
+                                    train_chars=cfg.tokenizer_train_chars, text_column=cfg.text_column,
+                                    val_fraction=cfg.val_fraction, state=state)
+
+
+def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
+                tokenizer_state: Optional[dict[str, Any]] = None
+                ) -> tuple[CharCorpus, TokenFile, tokenizer.Tokenizer]:
+    """Encode the corpus once per node into a token file in data.cache_dir (streaming;
+    remote files fetched and a missing local file downloaded first; reused while the
+    sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's
+    characters) or `tokenizer_state` (a snapshot's BPE or GPT-2 tokenizer) gives the ids
+    instead of data.tokenizer's own. Returns the corpus, its token file and its tokenizer."""
+    options = storage.resolve_options(cfg.storage_options, "data.storage_options")
+    made: list[TokenFile] = []
+    distributed.on_main_then_share(
+        lambda: made.append(prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
+                                                vocab.chars if vocab is not None else None,
+                                                tokenization(cfg, tokenizer_state))),
+        dist, once_per_node=True,
+    )
+    token_file = this_nodes_token_file(made[0] if made else None, dist)
+
+    def open_here() -> tuple[CharCorpus, tokenizer.Tokenizer]:  # each rank maps its node's file: it may fail on some ranks only
+        tokens = open_tokens(token_file, cfg.cache_dir)
+        tok = load_tokenizer(token_file, cfg.cache_dir)
+        ids_of = tok.vocab if isinstance(tok, tokenizer.CharTokenizer) else tok
+        corpus = CharCorpus.from_tokens(tokens, ids_of, cfg.val_fraction, token_file.train_tokens)
+        corpus.check_block_size(cfg.block_size)
+        return corpus, tok
+
+    corpus, tok = on_every_rank(open_here, dist)
+    return corpus, token_file, tok

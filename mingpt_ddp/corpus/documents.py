@@ -20,7 +20,7 @@ import json
 import re
 from typing import Any, Iterable, Iterator, Mapping, Optional
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 
 PARQUET = "parquet"

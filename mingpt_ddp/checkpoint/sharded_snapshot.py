@@ -69,9 +69,9 @@ except ImportError:  # without it: local paths through the public FileSystemRead
     FsspecReader, FsspecWriter = FileSystemReader, FileSystemWriter
 HAS_FSSPEC_DCP = FsspecReader is not FileSystemReader
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.snapshot import SnapshotStore
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class ShardedSnapshotStore:
                  retry_minutes: float = 2.0, save_retry_minutes: float = 15.0,
                  collective_timeout_minutes: Optional[float] = None):
         self.url = path
-        self.run_lock: Any = None  # rank 0's RunLock (parallel.ShardedSaver sets it): lost, nothing is committed
+        self.run_lock: Any = None  # rank 0's RunLock (ShardedSaver sets it): lost, nothing is committed
         self.collective_timeout_minutes = collective_timeout_minutes
         self.save_retry_minutes = save_retry_minutes
         self.storage_options = dict(storage_options or {})
@@ -839,3 +839,46 @@ def load_full_model_state(path: str, storage_options: Optional[Mapping[str, Any]
 def is_sharded(path: str, storage_options: Optional[Mapping[str, Any]] = None) -> bool:
     """Does ``<path>.dcp/`` hold committed snapshots?"""
     return bool(ShardedSnapshotStore(path, storage_options=storage_options).candidates())
+
+
+class ShardedSaver:
+    """Every rank's side of saving sharded snapshots (ShardedSnapshotStore), with
+    BackgroundSaver's interface (snapshot.py): `submit` stages this rank's shards and returns while they
+    are written in the background; at most one save is in flight. `run_lock` (rank 0's
+    RunLock): once it is lost, rank 0 commits nothing more and every rank's save fails."""
+
+    def __init__(self, store, run_lock: Any = None):
+        self.store = store
+        store.run_lock = run_lock
+        self._handle = None
+        self._error: Optional[str] = None
+        self.last_saved: Optional[str] = None  # the newest committed snapshot directory
+
+    def submit(self, state: dict[str, Any], step: int) -> None:
+        self._finish_previous()
+        sharded = {"model": state.pop("model"), "optimizer": state.pop("optimizer")}
+        self._handle = self.store.save_async(step, sharded, state)  # collective: every rank stages its shards
+
+    def _finish_previous(self) -> None:
+        if self._handle is not None:
+            error = self._handle.wait()
+            if self._handle.committed:
+                self.last_saved = self._handle.directory
+            self._error = error or self._error
+            self._handle = None
+
+    @property
+    def failed(self) -> bool:
+        """The last save failed on this rank (the store has retried it already)."""
+        if self._handle is not None and self._handle.done():
+            self._finish_previous()
+        return self._error is not None
+
+    @property
+    def error(self) -> Optional[str]:
+        return self._error
+
+    def wait(self) -> Optional[str]:
+        """Block until the save in flight is committed; the error, the same on every rank."""
+        self._finish_previous()
+        return self._error

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Union
 
 import torch
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)

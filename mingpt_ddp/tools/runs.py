@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-RESULT_FILE = "result.json"  # how a sweep point ended, written by rank 0 (sweep.write_result)
+from mingpt_ddp.metrics import RESULT_FILE  # how a sweep point ended (metrics.write_result)
+
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from mingpt_ddp import storage
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 
 
@@ -39,8 +39,8 @@ def check_writable_dir(path: str, key: str) -> None:
 def refuse_a_live_run(config: DictConfig) -> None:
     """A live run of another job in this (local) run directory: refuse before Hydra writes
     its `.hydra/` files over the live run's. Object stores are checked by the trainer."""
-    from mingpt_ddp.run_lock import RunLock
-    from mingpt_ddp.snapshot import SnapshotStore
+    from mingpt_ddp.checkpoint.run_lock import RunLock
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
     path = config.trainer.get("snapshot_path") or os.path.join(str(config.hydra.run.dir), "snapshot.pt")
     if "://" in str(path) and not str(path).startswith("file://"):
@@ -53,8 +53,8 @@ def take_the_sweep_lock(config: DictConfig) -> Optional[Any]:
     files, refuse if a point's run is live there (every rank looks), and let rank 0 hold
     ``<sweep dir>/.sweep.lock`` (a RunLock) until the sweep ends, so that a second sweep is
     refused between points too. Returns the lock (rank 0), else None."""
-    from mingpt_ddp.run_lock import RunLock
-    from mingpt_ddp.snapshot import SnapshotStore
+    from mingpt_ddp.checkpoint.run_lock import RunLock
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
     sweep_dir = str(config.hydra.sweep.dir)
     try:

@@ -30,7 +30,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
-from mingpt_ddp import documents, tokenizer
+from mingpt_ddp.corpus import documents, tokenizer
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from mingpt_ddp import network
+from mingpt_ddp.tools import network
 
 # c10d's rendezvous default port (torch.distributed.elastic.rendezvous.c10d_rendezvous_backend).
 DEFAULT_RDZV_PORT = 29400

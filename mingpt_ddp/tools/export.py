@@ -30,9 +30,10 @@ from typing import Any, Optional
 import torch
 
 from mingpt_ddp import model as model_module
-from mingpt_ddp import storage, tokenizer
+from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.sample import load_latest
+from mingpt_ddp.tools.sample import load_latest
 
 USAGE = "usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors]"
 FORMAT = "mingpt-ddp-export 1"

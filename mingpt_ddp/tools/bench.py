@@ -68,7 +68,8 @@ import numpy as np
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import config, distributed, storage
+from mingpt_ddp import config, distributed
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu)
@@ -116,8 +117,9 @@ def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
 
-    from mingpt_ddp import parallel, storage
-    from mingpt_ddp.main import load_corpus
+    from mingpt_ddp import parallel
+    from mingpt_ddp.checkpoint import storage
+    from mingpt_ddp.corpus.token_cache import load_corpus
     from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
@@ -467,8 +469,8 @@ def mapped_file_memory(path: str) -> Optional[tuple[int, int]]:
 def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """The corpus (encoding, or reusing, this node's token file; start-up; memory per node)
     and the trainer's own batch building (sampler order, window gather, host-to-device copy)."""
-    from mingpt_ddp import token_cache
-    from mingpt_ddp.main import load_corpus
+    from mingpt_ddp.corpus import token_cache
+    from mingpt_ddp.corpus.token_cache import load_corpus
 
     cfg = compose(overrides)
     steps = int(options["steps"] or 2000)
@@ -545,8 +547,8 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
 
 def run_snapshot(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Save/load times of one snapshot of this config, and what a save blocks training for."""
-    from mingpt_ddp import storage
-    from mingpt_ddp.snapshot import BackgroundSaver, SnapshotStore, decode, encode, to_cpu
+    from mingpt_ddp.checkpoint import storage
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore, decode, encode, to_cpu
 
     cfg = compose(overrides)
     repeat = max(1, int(options["repeat"]))
