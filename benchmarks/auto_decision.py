@@ -25,8 +25,8 @@ def decide(entry: str) -> dict:
     """One decision in this process, with a cache of its own."""
     import torch
 
-    from mingpt_ddp import precision
     from mingpt_ddp.tools import bench
+    from mingpt_ddp import precision
     from mingpt_ddp.model import GPT, GPTConfig
 
     cfg = bench.compose([entry if "=" in entry else f"model={entry}", "trainer.precision=fp32"])

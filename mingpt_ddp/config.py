@@ -7,7 +7,6 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass, field
@@ -348,7 +347,6 @@ def validate(cfg: Any) -> None:
         raise ConfigError(f"trainer.snapshot_every_minutes={t.snapshot_every_minutes} must be >= 0 (0: never; "
                           f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, never on CPUs)")
     _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 25")
-    check_trackers(cfg)
     if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
         raise ConfigError(f"trainer.profile_steps={list(t.profile_steps)} must be [first, last] with "
                           "0 <= first < last, e.g. trainer.profile_steps=[10,15]")
@@ -398,28 +396,3 @@ def snapshot_every_minutes(t: Any, device_type: str) -> Optional[float]:
     if minutes is None:
         return GPU_SNAPSHOT_EVERY_MINUTES if device_type == "cuda" else None
     return float(minutes) if minutes > 0 else None
-
-
-# The trackers' package names: the schema checks that a selected one is installed without
-# importing a tracker module (loggers.py, which sends to them, depends on the schema, not back).
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
-WANDB_MODES = ("online", "offline", "disabled")
-
-
-def selected_trackers(cfg: Any) -> list[str]:
-    """The trackers this config turns on (`logger=...`, or the older trainer.tensorboard)."""
-    names = [name for name in TRACKER_PACKAGES if cfg.logger[name].enabled]
-    if cfg.trainer.tensorboard and "tensorboard" not in names:
-        names.insert(0, "tensorboard")
-    return names
-
-
-def check_trackers(cfg: Any) -> None:
-    """Before training, on every rank: a missing extra is one clear error naming the pip command."""
-    if cfg.logger.wandb.mode not in (None, *WANDB_MODES):
-        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode} must be one of {', '.join(WANDB_MODES)} or null")
-    for name in selected_trackers(cfg):
-        if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            how = "trainer.tensorboard=true" if name == "tensorboard" and not cfg.logger.tensorboard.enabled \
-                else f"logger={name}"
-            raise ConfigError(f"{how} needs {name}: pip install -e '.[{name}]'")

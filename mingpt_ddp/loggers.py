@@ -12,6 +12,7 @@ directory that resumes the same snapshot path finds them there).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -22,13 +23,35 @@ from typing import Any, Callable, Optional, Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.config import selected_trackers
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 RUN_IDS_FILE = "loggers.json"
 # The pip extra (pyproject.toml) and the module each tracker needs.
+EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def selected(cfg: Any) -> list[str]:
+    """The trackers this config turns on (`logger=...`, or the older trainer.tensorboard)."""
+    names = [name for name in EXTRAS if cfg.logger[name].enabled]
+    if cfg.trainer.tensorboard and "tensorboard" not in names:
+        names.insert(0, "tensorboard")
+    return names
+
+
+def check(cfg: Any) -> None:
+    """Before training, on every rank: a missing extra is one clear error naming the pip command."""
+    if cfg.logger.wandb.mode not in (None, *WANDB_MODES):
+        raise ConfigError(f"logger.wandb.mode={cfg.logger.wandb.mode} must be one of {', '.join(WANDB_MODES)} or null")
+    for name in selected(cfg):
+        if importlib.util.find_spec(EXTRAS[name]) is None:
+            how = "trainer.tensorboard=true" if name == "tensorboard" and not cfg.logger.tensorboard.enabled \
+                else f"logger={name}"
+            raise ConfigError(f"{how} needs {name}: pip install -e '.[{name}]'")
+
+
 def run_label(run_dir: str) -> str:
     """The run directory's name; a sweep point (a numbered directory) with its sweep's."""
     run_dir = os.path.abspath(run_dir)
@@ -248,7 +271,7 @@ def open_sinks(cfg: Any, config: dict[str, Any], run_dir: str, previous: Optiona
     """Open the selected trackers (rank 0 only, through distributed.on_main_then_share so that
     a tracker that cannot start stops every rank with its error). `config` is the resolved,
     redacted config; `previous` the ids a snapshot kept (else those in the run directory)."""
-    names = selected_trackers(cfg)
+    names = selected(cfg)
     if not names:
         return []
     previous = previous or _read_run_ids(run_dir)

@@ -49,16 +49,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp import cluster, config, distributed, loggers, parallel, preemption, profiling, time_budget
+from mingpt_ddp import config, distributed, loggers, parallel, preemption, profiling, time_budget
 from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.metrics import RESULT_FILE, MetricsLog, sample_preview, write_result
+from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import RunLock
 from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
+from mingpt_ddp.tools.sweep import RESULT_FILE, write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -79,6 +81,7 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
         now = f"data.tokenizer={kind}" + (f" data.vocab_size={cfg.vocab_size}" if kind == "bpe" else "")
         raise ConfigError(f"snapshot {where} was trained with {was} but the config says {now}: set {was} to resume "
                           "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
+
 
 
 def load_agreed_snapshot(store, dist: DistEnv) -> Optional[tuple[dict[str, Any], str]]:
@@ -141,6 +144,7 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
 def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[float], str]:
     """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
     config.validate(cfg)
+    loggers.check(cfg)  # the trackers asked for are installed (the schema itself knows no tracker)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
     path = cfg.trainer.snapshot_path or os.path.join(run_dir, "snapshot.pt")
     store = SnapshotStore(path, cfg.trainer.keep_last, snapshot_options, retry_minutes=cfg.trainer.load_retry_minutes)
@@ -242,7 +246,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
     try:
         sharded = not isinstance(store, SnapshotStore)
         if sharded:  # every rank saves its own shard
-            from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver  # with its store (imports DCP)
+            from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
             saver = ShardedSaver(store, run_lock=lock)
         else:
             saver = BackgroundSaver(store, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
@@ -265,7 +269,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, store,
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
-            preview = sample_preview(model, tok, run_dir)  # the same text on every rank: same seed
+            preview = sample.preview(model, tok, run_dir)  # the same text on every rank: same seed
             if dist.is_main:
                 metrics.note(preview)
     finally:

@@ -1,24 +1,18 @@
-"""What rank 0 reports: metrics.jsonl, log lines or a progress bar, MFU's roofline, how the run
-ended (result.json) and a preview of what the model writes."""
+"""What rank 0 reports: metrics.jsonl, log lines or a progress bar, and MFU's roofline."""
 from __future__ import annotations
 
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 from mingpt_ddp import loggers
-from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.corpus import tokenizer
-from mingpt_ddp.model import GPT
 
 log = logging.getLogger("mingpt_ddp.train")
 
@@ -314,40 +308,3 @@ def bits_per_byte(text_nats: float, text_bytes: float) -> float:
     """Loss in bits per UTF-8 byte of the text: independent of how the text was cut into
     tokens, so runs with different tokenizers compare (val_loss is per token)."""
     return text_nats / (math.log(2) * text_bytes) if text_bytes > 0 else float("nan")
-
-
-RESULT_FILE = "result.json"  # how a run (a sweep point) ended, written by rank 0; tools/sweep.py gathers them
-
-
-def write_result(run_dir: str, record: dict[str, Any]) -> None:
-    """Atomically record how a point ended (rank 0 only), through the one secrets boundary: a
-    snapshot URL or error may carry a presigned query or a user:password."""
-    record = {k: storage.redact(v) if isinstance(v, str) else v for k, v in record.items()}
-    path = Path(run_dir) / RESULT_FILE
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
-@torch.no_grad()
-def sample_preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4) -> str:
-    """A few lines the model just learned to write, and the command that samples more: how a
-    run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
-    starts where a document starts: after a newline (characters) or <|endoftext|>."""
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    if isinstance(tok, tokenizer.CharTokenizer):
-        first = tok.encode("\n" if "\n" in tok.vocab.chars else tok.vocab.chars[0])
-    else:
-        first = tok.separator_ids
-    start = torch.from_numpy(first.astype("int64"))[None].to(device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
-    with torch.compiler.set_stance("force_eager"):
-        out = model.generate(start, tokens, temperature=0.8, generator=generator)
-    model.train(was_training)
-    text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
-    shown = "\n".join("    " + line for line in text.splitlines())
-    return (f"a sample of what the model writes now:\n{shown}\n"
-            f"sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")

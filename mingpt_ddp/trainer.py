@@ -133,10 +133,12 @@ class Trainer:
         ), "measuring the matmul peak")
         self.peak_flops = peak.flops
         if peak.emulated and dist.is_main:
-            log.warning("trainer.precision=%s: this CPU runs %s matmuls %.0fx slower than fp32 at this model's sizes "
-                        "(no %s instructions: emulated); MFU is quoted against the fp32 peak. trainer.precision=auto "
-                        "or fp32 trains faster here", self.precision.name, self.precision.name, peak.slowdown,
-                        self.precision.name)
+            requested = getattr(cfg.precision, "value", cfg.precision)
+            setting = (f"trainer.precision=auto chose {self.precision.name}" if requested == "auto"
+                       else f"trainer.precision={requested}")
+            log.warning("%s: this CPU runs %s matmuls %.0fx slower than fp32 at this model's sizes (no %s "
+                        "instructions: emulated); MFU is quoted against the fp32 peak. Set trainer.precision=fp32 "
+                        "to train faster here", setting, self.precision.name, peak.slowdown, self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
         self._last_save_step: Optional[int] = None
@@ -160,9 +162,15 @@ class Trainer:
         if requested == "auto" and resumed:
             try:
                 plan = precision.resolve(resumed, self.device)
-                self.metrics.note(f"precision {resumed}: the run's choice (trainer.precision=auto keeps what the "
-                                  "snapshot was trained with; set trainer.precision=fp32/bf16/fp16 to change it)")
-                return plan
+                slowdown = self._emulated_bf16_slowdown(plan)
+                if slowdown is None:
+                    self.metrics.note(f"precision {resumed}: the run's choice (trainer.precision=auto keeps what the "
+                                      "snapshot was trained with; set trainer.precision=fp32/bf16/fp16 to change it)")
+                    return plan
+                # Chosen on a CPU with bf16 instructions, resumed on one without (a requeue onto
+                # another node type): keeping it would train ~30x slower.
+                self.metrics.note(f"precision {resumed} of the snapshot is emulated on this CPU (bf16 matmuls "
+                                  f"{slowdown:.1f}x slower than fp32): trainer.precision=auto decides again")
             except ConfigError as exc:  # e.g. bf16 from an Ampere GPU, resumed on a V100
                 self.metrics.note(f"precision {resumed} of the snapshot cannot run here ({exc}); "
                                   "trainer.precision=auto decides again")
@@ -170,6 +178,36 @@ class Trainer:
         model = self.model
         return precision.resolve(requested, self.device, measure_cpu=lambda: distributed.wait_for_main(
             lambda: precision.measured_cpu_choice(model, self.cfg.batch_size, self.block_size), "timing fp32 against bf16"))
+
+    def _emulated_bf16_slowdown(self, plan: precision.PrecisionPlan) -> Optional[float]:
+        """How much slower this CPU runs the model's bf16 matmuls than fp32, where that is enough
+        for `auto` to drop bf16 without a pass (precision.MATMUL_LOSING); None where bf16 runs
+        fast, on GPUs, and for other precisions. Rank 0 measures (milliseconds), every rank gets its answer."""
+        if self.device.type != "cpu" or plan.dtype != torch.bfloat16:
+            return None
+        rows = self.cfg.batch_size * self.block_size
+        n_embd = self.model.cfg.n_embd
+        slowdown = distributed.wait_for_main(lambda: precision.bf16_matmul_slowdown(n_embd, rows),
+                                             "timing bf16 matmuls against fp32")
+        return slowdown if slowdown >= precision.MATMUL_LOSING else None
+
+    def _optimizer_settings(self) -> list[dict[str, Any]]:
+        """Each param group's hyperparameters as this run's config built them (the LR aside:
+        the schedule sets it every step)."""
+        return [{k: v for k, v in group.items() if k not in ("params", "lr", "initial_lr")}
+                for group in self.optimizer.param_groups]
+
+    def _keep_configured_settings(self, configured: list[dict[str, Any]]) -> None:
+        """A resume takes the optimizer's state (moments, momentum buffers) from the snapshot but
+        its settings from this run's config: optimizer.load_state_dict also restores the saved
+        groups' betas, weight decay, Muon's momentum and LR ratio (muon_lr / lr), which would
+        silently override a changed optimizer.* value."""
+        changed = sorted({k for group, want in zip(self.optimizer.param_groups, configured)
+                          for k, v in want.items() if group.get(k) != v})
+        for group, want in zip(self.optimizer.param_groups, configured):
+            group.update(want)
+        if changed:
+            self.metrics.note(f"optimizer settings from this run's config, not the snapshot's: {', '.join(changed)}")
 
     # ---- bookkeeping ---------------------------------------------------------------
     @property
@@ -214,7 +252,9 @@ class Trainer:
         }
 
     def load_state_dict(self, snapshot: dict[str, Any]) -> None:
+        configured = self._optimizer_settings()
         self.strategy.load_state_dicts(self.optimizer, snapshot)
+        self._keep_configured_settings(configured)
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])

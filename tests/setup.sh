@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything the tests need, from scratch, idempotently: a virtual environment in
-# .venv with the CPU build of torch, the project with its extras, and test-only tools.
+# .venv with torch 2.13.0 (the CPU wheel where pip finds one locally, as on CI; from PyPI on x86-64
+# Linux that pin is the CUDA build, which runs on CPUs too), the project with its extras, and test-only tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -121,6 +121,29 @@ def test_train_reports_throughput_and_mfu_with_the_model_flop_count(tmp_path, sm
     assert r["peak_memory_bytes"] > 10 * 2**20 and r["peak_memory_kind"] == "max RSS"
 
 
+HELD_DOWN_PEAK = """
+import sys
+import mingpt_ddp.trainer
+from mingpt_ddp.tools import bench
+from mingpt_ddp.metrics import Peak
+mingpt_ddp.trainer.measured_peak = lambda *args, **kwargs: Peak(1e6, "fp32")  # as if others' load held it down
+sys.exit(bench.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.cli
+def test_train_mfu_stays_under_100_percent_when_the_steps_beat_the_start_up_peak(tmp_path, small_corpus):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([PYTHON, "-c", HELD_DOWN_PEAK, "train", *TINY_TRAIN, f"data.path={small_corpus}",
+                           "steps=5", "warmup=1", f"out={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads(out.read_text())
+    assert r["peak_raised_to_reached"] and r["peak_flops_per_process"] > 1e6
+    best_mfu = mfu(r["flops_per_token"], r["tokens_per_s_best_window"], r["peak_flops_per_process"], 1)
+    assert 0 < r["mfu"] <= best_mfu <= 1.0 + 1e-9
+    assert "quoted against the rate reached" in proc.stdout
+
+
 @pytest.mark.dist
 def test_train_runs_under_torchrun_and_counts_all_ranks(tmp_path, small_corpus):
     _, r = run_bench(["train", *TINY_TRAIN, f"data.path={small_corpus}", "steps=2", "warmup=1"], tmp_path, nproc=2)

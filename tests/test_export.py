@@ -9,9 +9,9 @@ import torch
 from conftest import PYTHON, REPO, TINY, load_snapshot, output, run_cli
 
 
-def readme_snippet(section: str) -> str:
-    """The first Python block of a README section: the test runs what users are shown."""
-    text = (REPO / "README.md").read_text()
+def docs_snippet(section: str) -> str:
+    """The first Python block of a section of docs/export-and-sampling.md: the test runs what users are shown."""
+    text = (REPO / "docs" / "export-and-sampling.md").read_text()
     body = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     return re.search(r"```python\n(.*?)```", body, re.S)[1]
 
@@ -46,7 +46,7 @@ def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logi
     snapshot = load_snapshot(run_dir / "snapshot.pt")
     assert meta["vocab"] == list(snapshot["vocab"]) and meta["trained"]["step"] == 10
 
-    plain = subprocess.run([PYTHON, "-I", "-c", PLAIN_PYTORCH.format(snippet=readme_snippet("Export"))],
+    plain = subprocess.run([PYTHON, "-I", "-c", PLAIN_PYTORCH.format(snippet=docs_snippet("Export"))],
                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert plain.returncode == 0, plain.stderr
     result = json.loads(plain.stdout.splitlines()[-1])

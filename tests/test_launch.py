@@ -216,7 +216,7 @@ def test_preflight_commands(tmp_path):
     assert "--rdzv_endpoint=127.0.0.1:31000" in train and "mingpt_ddp/main.py model=gpt-nano" in train, train
     only = subprocess.run([str(MULTINODE)], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env=clean_env(DRY_RUN="1", PREFLIGHT="only"))
-    assert only.stdout.count("\n") == 1 and "mingpt_ddp.tools.preflight" in only.stdout, only.stdout
+    assert only.stdout.count("\n") == 1 and "mingpt_ddp.preflight" in only.stdout, only.stdout
 
 
 # ---- train.sbatch's decisions, with a fake srun ---------------------------------------------------
@@ -444,7 +444,7 @@ def test_preflight_node_checks_name_the_node():
 def test_submitit_cpus_per_task_from_the_partitions_nodes(tmp_path, monkeypatch):
     """cpus_per_task defaults to the smallest node's CPUs (sinfo; the default partition is the
     one marked *) / tasks per node; None where sinfo is missing or fails."""
-    from mingpt_ddp import cluster
+    from mingpt_ddp.tools import cluster
 
     fake_command(tmp_path, "sinfo", '''
 if [ "$*" = "-h -N -o %c %P -p gpu" ]; then printf "96 gpu\\n192 gpu\\n"; exit 0; fi

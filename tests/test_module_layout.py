@@ -1,95 +1,126 @@
-"""The package's layout shows its architecture, and the import order keeps it (read statically,
-lazy imports inside functions count too): the training path sits flat in mingpt_ddp/, the
-checkpoint stack, the corpus and the commands off the training path in subpackages; no import
-cycles; the schema does not depend on a tracker; tools use the training path, never the reverse."""
+"""The package's layout keeps its architecture: no import cycles, a flat training path of at
+most 20 modules, the schema free of trackers, and tools off the training path."""
 import ast
-from pathlib import Path
+import os
+import subprocess
+import sys
+import tomllib
 
 import pytest
 
 from conftest import REPO
 
-pytestmark = pytest.mark.unit
-
 PACKAGE = REPO / "mingpt_ddp"
-SUBPACKAGES = ("checkpoint", "corpus", "tools")
-MAX_TOP_LEVEL_MODULES = 20  # issue 24: a newcomer takes the training path in at a glance
+TOOLS = ("bench", "sample", "export", "plot", "preflight", "prepare", "network", "torchrun")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
+def module_name(path):
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "__pycache__" not in p.parts}
+def modules():
+    return {module_name(p): p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts}
 
 
-def imported_modules(path: Path, known: set[str]) -> set[str]:
-    """The package's modules that `path` imports: `from mingpt_ddp.x import y` counts as
-    mingpt_ddp.x.y when that is a module, else as mingpt_ddp.x."""
+def imports_of(path, known):
+    """The package's modules that `path` imports (at any depth: lazy imports count too)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "mingpt_ddp":
-            for alias in node.names:
-                sub = f"{node.module}.{alias.name}"
-                found.add(sub if sub in known else node.module)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.split(".")[0] == "mingpt_ddp"}
-    return found - {module_name(path)}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
 
 
 @pytest.fixture(scope="module")
-def graph() -> dict[str, set[str]]:
-    found = modules()
-    return {name: imported_modules(path, set(found)) for name, path in found.items()}
+def graph():
+    known = modules()
+    return {name: imports_of(path, known) - {name} for name, path in known.items()}
 
 
-def test_every_import_names_a_module_that_exists(graph):
-    """An old flat path (mingpt_ddp.storage) would still import through nothing, or through the
-    tools' command-name alias as a second copy of the module: code names the real place."""
-    known = set(graph)
-    wrong = sorted(f"{m} imports {dep}" for m, deps in graph.items() for dep in deps if dep not in known)
-    assert not wrong, wrong
+def cycle(graph):
+    """One import cycle between the package's modules (their __init__s left out), or None."""
+    edges = {m: {d for d in deps if not PACKAGE.joinpath(*d.split(".")[1:], "__init__.py").exists()}
+             for m, deps in graph.items()}
+    state, stack = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        stack.append(m)
+        for d in sorted(edges.get(m, ())):
+            if state.get(d) == "open":
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = "done"
+        stack.pop()
+        return None
+
+    for m in sorted(edges):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
 
 
-def test_no_import_cycles_between_modules(graph):
-    # A package imports nothing of its own modules here, so an edge to it is an edge to its __init__.
-    cycles = []
-
-    def visit(module, trail):
-        for dep in sorted(graph.get(module, ())):
-            if dep in trail:
-                cycles.append(trail[trail.index(dep):] + [dep])
-            elif dep not in done:
-                visit(dep, trail + [dep])
-        done.add(module)
-
-    done: set[str] = set()
-    for module in sorted(graph):
-        visit(module, [module])
-    assert not cycles, " ; ".join(" -> ".join(c) for c in cycles)
+@pytest.mark.unit
+def test_no_import_cycles(graph):
+    assert cycle(graph) is None, " -> ".join(cycle(graph))
 
 
-def test_at_most_twenty_modules_directly_in_the_package():
-    top = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules in mingpt_ddp/: {top}"
-    for sub in SUBPACKAGES:
-        init = PACKAGE / sub / "__init__.py"
-        assert init.is_file(), f"mingpt_ddp/{sub}/ is not a package"
-        assert ast.get_docstring(ast.parse(init.read_text())), f"mingpt_ddp/{sub}/__init__.py says not what it is for"
+@pytest.mark.unit
+def test_cycle_finder_finds_one():
+    assert cycle({"mingpt_ddp.a": {"mingpt_ddp.b"}, "mingpt_ddp.b": {"mingpt_ddp.a"}}) is not None
 
 
+@pytest.mark.unit
+def test_at_most_20_modules_directly_in_the_package():
+    flat = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(flat) <= 20, flat
+
+
+@pytest.mark.unit
+def test_the_design_cards_modules_stay_where_they_are():
+    for name in ("main", "model", "char_dataset", "trainer", "config", "parallel"):
+        assert (PACKAGE / f"{name}.py").is_file(), name
+
+
+@pytest.mark.unit
 def test_the_schema_does_not_depend_on_a_tracker(graph):
     assert "mingpt_ddp.loggers" not in graph["mingpt_ddp.config"]
 
 
-def test_no_tool_imports_main(graph):
-    offenders = sorted(m for m, deps in graph.items() if m.startswith("mingpt_ddp.tools.") and "mingpt_ddp.main" in deps)
-    assert not offenders, f"tools importing mingpt_ddp.main (move what they need to the training path): {offenders}"
+@pytest.mark.unit
+def test_tools_are_off_the_training_path(graph):
+    """Tools import the training path, never main; the training path (main, the composition
+    root, aside) never imports a tool."""
+    for name, deps in graph.items():
+        if name.startswith("mingpt_ddp.tools."):
+            assert "mingpt_ddp.main" not in deps, name
+        elif name != "mingpt_ddp.main":
+            assert not [d for d in deps if d.startswith("mingpt_ddp.tools")], (name, deps)
 
 
-def test_the_training_path_does_not_import_tools(graph):
-    offenders = sorted(f"{m} imports {dep}" for m, deps in graph.items() if not m.startswith("mingpt_ddp.tools")
-                       for dep in deps if dep == "mingpt_ddp.tools" or dep.startswith("mingpt_ddp.tools."))
-    assert not offenders, offenders
+@pytest.mark.cli
+def test_every_python_m_command_and_script_still_resolves():
+    """`python -m mingpt_ddp.<tool>` (the documented names, from before tools/ existed) and
+    pyproject's scripts."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    code = ("import importlib, importlib.util, sys\n"
+            f"for name in {list(TOOLS)!r}:\n"
+            "    spec = importlib.util.find_spec('mingpt_ddp.' + name)\n"
+            "    assert spec and spec.origin.endswith('/tools/' + name + '.py'), (name, spec)\n"
+            f"for target in {list(scripts.values())!r}:\n"
+            "    module, attr = target.split(':')\n"
+            "    assert callable(getattr(importlib.import_module(module), attr)), target\n"
+            "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    help_text = subprocess.run([sys.executable, "-m", "mingpt_ddp.plot"], capture_output=True, text=True,
+                               timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert "mingpt_ddp.plot" in help_text.stdout + help_text.stderr

@@ -53,7 +53,7 @@ def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_
     script = tmp_path / "blind_rank1.py"
     script.write_text(
         "import os, runpy, sys\n"
-        "from mingpt_ddp import snapshot\n"
+        "from mingpt_ddp.checkpoint import snapshot\n"
         "load_latest = snapshot.SnapshotStore.load_latest\n"
         "def blind(self, *a, **k):\n"
         "    return None if os.environ['RANK'] == '1' else load_latest(self, *a, **k)\n"

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import MAIN, PYTHON, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli
-from mingpt_ddp.corpus import token_cache, tokenizer
 from mingpt_ddp.tools import export, sample
+from mingpt_ddp.corpus import token_cache, tokenizer
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
 from mingpt_ddp.errors import ConfigError
 from test_token_cache import make_trainer

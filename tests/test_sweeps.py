@@ -147,10 +147,10 @@ def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, 
 @pytest.mark.unit
 def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
     """result.json (and the summary.csv built from it) never holds a URL's credentials."""
-    from mingpt_ddp import metrics
+    from mingpt_ddp.tools import sweep
     url = "s3://u:hunter2pw@bucket/run/snapshot.pt?X-Amz-Signature=abcdef0123456789"
-    metrics.write_result(str(tmp_path), {"status": "completed", "val_loss": 2.0, "snapshot": url,
-                                         "error": f"cannot write {url}"})
+    sweep.write_result(str(tmp_path), {"status": "completed", "val_loss": 2.0, "snapshot": url,
+                                       "error": f"cannot write {url}"})
     text = (tmp_path / "result.json").read_text()
     assert "hunter2pw" not in text and "abcdef0123456789" not in text
     assert "bucket/run/snapshot.pt" in text  # still says where the snapshot is

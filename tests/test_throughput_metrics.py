@@ -302,8 +302,8 @@ def test_comm_data_stays_finite_over_many_iterations(tmp_path):
 
 SKEWED_CLOCK = textwrap.dedent("""
     import sys, time
-    from mingpt_ddp import distributed
     from mingpt_ddp.tools import bench
+    from mingpt_ddp import distributed
     dist = distributed.setup(timeout_minutes=0.5)
     if dist.rank == 1:  # this rank's clock jumps ahead after the first round: its deadline passes early
         real, calls = time.monotonic, []

@@ -6,7 +6,7 @@ import torch
 
 from mingpt_ddp import distributed
 from mingpt_ddp.char_dataset import CharCorpus
-from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
+from mingpt_ddp.config import OptimizerConfig, OptimizerName, Precision, TrainerConfig
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.trainer import Trainer, lr_at
@@ -17,13 +17,14 @@ SINGLE = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_siz
                              device=torch.device("cpu"), backend="gloo")
 
 
-def make_trainer(text, precision="fp32", **trainer_kw):
+def make_trainer(text, precision="fp32", resumed_precision=None, optimizer=None, **trainer_kw):
     corpus = CharCorpus(text, 0.1)
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=corpus.vocab.size, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     cfg = TrainerConfig(batch_size=4, precision=Precision(precision), **trainer_kw)
-    return Trainer(cfg, OptimizerConfig(warmup_steps=0), model, corpus, SINGLE,
-                   MetricsLog(None, enabled=False, total_steps=0), saver=None, snapshot_metadata={})
+    return Trainer(cfg, optimizer or OptimizerConfig(warmup_steps=0), model, corpus, SINGLE,
+                   MetricsLog(None, enabled=False, total_steps=0), saver=None, snapshot_metadata={},
+                   resumed_precision=resumed_precision)
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,41 @@ def test_lr_warms_up_then_decays_to_min_lr():
     fixed = OptimizerConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay_steps=1000)
     assert lr_at(100, fixed, 100) > 9e-4  # the horizon comes from decay_steps, not the plan
     assert not math.isnan(lr_at(0, OptimizerConfig(warmup_steps=0), 1))
+
+
+def resumed_under_auto(text, monkeypatch, bf16_slowdown):
+    """A bf16 snapshot resumed with trainer.precision=auto on a CPU whose bf16 matmuls read
+    `bf16_slowdown` times fp32's; returns (the precision used, whether auto decided again)."""
+    decided = []
+    monkeypatch.setattr("mingpt_ddp.precision.bf16_matmul_slowdown", lambda n_embd, rows: bf16_slowdown)
+    monkeypatch.setattr("mingpt_ddp.precision.measured_cpu_choice",
+                        lambda *args, **kwargs: decided.append(True) or "fp32")
+    trainer = make_trainer(text, "auto", resumed_precision="bf16")
+    return trainer.precision.name, bool(decided)
+
+
+def test_auto_resume_keeps_bf16_where_this_cpu_runs_it_fast(text, monkeypatch):
+    assert resumed_under_auto(text, monkeypatch, bf16_slowdown=0.5) == ("bf16", False)
+
+
+def test_auto_resume_decides_again_where_bf16_is_emulated(text, monkeypatch):
+    """Requeued from an AVX512-BF16/AMX node onto an AVX2-only one: bf16 there is ~30x slower."""
+    assert resumed_under_auto(text, monkeypatch, bf16_slowdown=30.0) == ("fp32", True)
+
+
+def test_resume_takes_optimizer_settings_from_the_config_not_the_snapshot(text):
+    """optimizer.load_state_dict restores the saved groups' settings; a changed optimizer.muon_lr,
+    muon_momentum or betas must still apply (as a changed optimizer.lr does)."""
+    def muon(**kw):
+        return OptimizerConfig(name=OptimizerName.muon, warmup_steps=0, lr=1e-3, **kw)
+
+    first = make_trainer(text, optimizer=muon(muon_lr=0.02, muon_momentum=0.95, betas=(0.9, 0.95)))
+    first._optimizer_step(first_batch(first))
+    snapshot = first.state_dict()
+    resumed = make_trainer(text, optimizer=muon(muon_lr=1e-4, muon_momentum=0.8, betas=(0.8, 0.9)))
+    resumed.load_state_dict(snapshot)
+    groups = resumed.optimizer.param_groups
+    matrices = [g for g in groups if g["muon"]]
+    assert matrices and all(g["lr_scale"] == pytest.approx(1e-4 / 1e-3) and g["momentum"] == 0.8 for g in matrices)
+    assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
+    assert resumed.optimizer.state_dict()["state"], "the moments still come from the snapshot"

@@ -5,7 +5,6 @@ import struct
 
 import pytest
 
-from mingpt_ddp import metrics
 from mingpt_ddp.tools import sweep
 from mingpt_ddp.tools.plot import plot_runs
 
@@ -21,7 +20,7 @@ def fake_point(directory, override, val_bpb):
                {"step": 20, "epoch": 0, "train_loss": 2.5, "lr": 1e-3, "tokens_per_s": 1100.0},
                {"step": 20, "epoch": 0, "val_loss": 2.4, **({"val_bpb": val_bpb} if val_bpb else {})}]
     (directory / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    metrics.write_result(str(directory), {"status": "completed", "val_loss": 2.4, "wall_s": 3.0, "snapshot": "s",
+    sweep.write_result(str(directory), {"status": "completed", "val_loss": 2.4, "wall_s": 3.0, "snapshot": "s",
                                         "error": ""})
 
 

@@ -1,1 +1,1 @@
-"""The checkpoint stack: snapshots (DDP and FSDP) with their background savers, the stores they go to (local, FSx, S3 via fsspec), the run lock and run-directory checks."""
+"""Snapshots and where they live: encoding, stores (DDP and sharded FSDP), their savers, storage via fsspec, and the locks that keep one writer per run."""

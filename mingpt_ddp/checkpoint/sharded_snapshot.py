@@ -842,8 +842,8 @@ def is_sharded(path: str, storage_options: Optional[Mapping[str, Any]] = None) -
 
 
 class ShardedSaver:
-    """Every rank's side of saving sharded snapshots (ShardedSnapshotStore), with
-    BackgroundSaver's interface (snapshot.py): `submit` stages this rank's shards and returns while they
+    """Every rank's side of saving sharded snapshots (ShardedSnapshotStore above), with
+    BackgroundSaver's interface: `submit` stages this rank's shards and returns while they
     are written in the background; at most one save is in flight. `run_lock` (rank 0's
     RunLock): once it is lost, rank 0 commits nothing more and every rank's save fails."""
 

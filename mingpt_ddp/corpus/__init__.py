@@ -1,1 +1,1 @@
-"""The corpus: tokenizers, text encodings, document readers and the per-node token cache that char_dataset.py maps."""
+"""Corpus files to token ids: tokenizers, document shards (Parquet, JSON lines), encoding, and the per-node token cache."""

@@ -46,9 +46,8 @@ import torch
 
 from mingpt_ddp import config, distributed
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary
-from mingpt_ddp.checkpoint import run_lock, storage
 from mingpt_ddp.corpus import documents, encoding, tokenizer
-from mingpt_ddp.distributed import DistEnv, on_every_rank
+from mingpt_ddp.checkpoint import run_lock, storage
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -890,11 +889,11 @@ def _same_directory(a: str, b: str) -> bool:
 def tokenization(cfg: config.DataConfig, state: Optional[dict[str, Any]] = None) -> Tokenization:
     """data.tokenizer and the keys that decide its ids; `state`: a snapshot's BPE or GPT-2 tokenizer."""
     return Tokenization(kind=getattr(cfg.tokenizer, "value", cfg.tokenizer), vocab_size=cfg.vocab_size,
-                                    train_chars=cfg.tokenizer_train_chars, text_column=cfg.text_column,
-                                    val_fraction=cfg.val_fraction, state=state)
+                        train_chars=cfg.tokenizer_train_chars, text_column=cfg.text_column,
+                        val_fraction=cfg.val_fraction, state=state)
 
 
-def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
+def load_corpus(cfg: config.DataConfig, dist: distributed.DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
                 tokenizer_state: Optional[dict[str, Any]] = None
                 ) -> tuple[CharCorpus, TokenFile, tokenizer.Tokenizer]:
     """Encode the corpus once per node into a token file in data.cache_dir (streaming;
@@ -906,8 +905,7 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, voc
     made: list[TokenFile] = []
     distributed.on_main_then_share(
         lambda: made.append(prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
-                                                vocab.chars if vocab is not None else None,
-                                                tokenization(cfg, tokenizer_state))),
+                                    vocab.chars if vocab is not None else None, tokenization(cfg, tokenizer_state))),
         dist, once_per_node=True,
     )
     token_file = this_nodes_token_file(made[0] if made else None, dist)
@@ -920,5 +918,5 @@ def load_corpus(cfg: config.DataConfig, dist: DistEnv, retry_minutes: float, voc
         corpus.check_block_size(cfg.block_size)
         return corpus, tok
 
-    corpus, tok = on_every_rank(open_here, dist)
+    corpus, tok = distributed.on_every_rank(open_here, dist)
     return corpus, token_file, tok

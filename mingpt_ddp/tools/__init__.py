@@ -1,1 +1,1 @@
-"""Commands off the training path (bench, sample, export, plot, sweep summaries, preflight, prepare, torchrun, network): they import the training path, never the reverse."""
+"""Commands off the training path (bench, sample, export, plot, sweep summaries, pre-flight, prepare, the torchrun wrapper); `python -m mingpt_ddp.<name>` runs each."""

@@ -32,8 +32,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp import distributed
 from mingpt_ddp.tools import bench
+from mingpt_ddp import distributed
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 

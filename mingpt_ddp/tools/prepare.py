@@ -25,14 +25,12 @@ USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe d
 
 
 def prepare(overrides: list[str]) -> token_cache.TokenFile:
-    from mingpt_ddp.corpus.token_cache import tokenization
-
     cfg = config.compose(overrides, job_name="prepare")
     storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     options = storage.resolve_options(cfg.data.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
     return token_cache.prepare(cfg.data.path, cfg.data.download_url, options, cfg.data.cache_dir,
-                               cfg.trainer.load_retry_minutes, tokenization=tokenization(cfg.data))
+                               cfg.trainer.load_retry_minutes, tokenization=token_cache.tokenization(cfg.data))
 
 
 def cli(argv: Optional[list[str]] = None) -> None:

@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mingpt_ddp.metrics import RESULT_FILE  # how a sweep point ended (metrics.write_result)
-
+RESULT_FILE = "result.json"  # how a sweep point ended, written by rank 0 (sweep.write_result)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -123,5 +123,29 @@ def cli(argv: Optional[list[str]] = None) -> None:
     sys.stdout.write(text + "\n")
 
 
+@torch.no_grad()
+def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4) -> str:
+    """A few lines the model just learned to write, and the command that samples more: how a
+    run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
+    starts where a document starts: after a newline (characters) or <|endoftext|>."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    if isinstance(tok, tokenizer.CharTokenizer):
+        first = tok.encode("\n" if "\n" in tok.vocab.chars else tok.vocab.chars[0])
+    else:
+        first = tok.separator_ids
+    start = torch.from_numpy(first.astype("int64"))[None].to(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
+    with torch.compiler.set_stance("force_eager"):
+        out = model.generate(start, tokens, temperature=0.8, generator=generator)
+    model.train(was_training)
+    text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
+    shown = "\n".join("    " + line for line in text.splitlines())
+    return (f"a sample of what the model writes now:\n{shown}\n"
+            f"sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")
+
+
 if __name__ == "__main__":
     cli()

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.tools.plot import plot_runs
 from mingpt_ddp.tools.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
 
@@ -30,6 +31,16 @@ log = logging.getLogger(__name__)
 # different tokenizers (val_loss is per token of each point's own tokenizer).
 COLUMNS = ["point", "overrides", "status", "final_train_loss", "final_val_loss", "best_val_loss",
            "final_val_bpb", "tokens_per_s", "wall_s", "snapshot", "error"]
+
+
+def write_result(run_dir: str, record: dict[str, Any]) -> None:
+    """Atomically record how a point ended (rank 0 only), through the one secrets boundary: a
+    snapshot URL or error may carry a presigned query or a user:password."""
+    record = {k: storage.redact(v) if isinstance(v, str) else v for k, v in record.items()}
+    path = Path(run_dir) / RESULT_FILE
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
