@@ -2,16 +2,30 @@
 most 20 modules, the schema free of trackers, and tools off the training path."""
 import ast
 import os
+import re
 import subprocess
 import sys
 import tomllib
 
 import pytest
 
+from pathlib import Path
+
 from conftest import REPO
 
 PACKAGE = REPO / "mingpt_ddp"
 TOOLS = ("bench", "sample", "export", "plot", "preflight", "prepare", "network", "torchrun")
+
+
+def documented_tools() -> set[str]:
+    """The `-m mingpt_ddp.<name>` commands that the docs, launch/, benchmarks/ and the package's
+    own messages show, where <name> is not a module of the package itself (so: a tool's old name)."""
+    sources = [REPO / "README.md", *(REPO / "docs").rglob("*.md"), *(REPO / "launch").iterdir(),
+               *(REPO / "benchmarks").iterdir(), *PACKAGE.rglob("*.py")]
+    found = set()
+    for path in filter(Path.is_file, sources):
+        found |= set(re.findall(r"-m[\"',\s]+mingpt_ddp\.(\w+)\b(?!\.)", path.read_text(errors="replace")))
+    return {name for name in found if not (PACKAGE / f"{name}.py").is_file()}
 
 
 def module_name(path):
@@ -110,8 +124,10 @@ def test_every_python_m_command_and_script_still_resolves():
     """`python -m mingpt_ddp.<tool>` (the documented names, from before tools/ existed) and
     pyproject's scripts."""
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    documented = documented_tools()
+    assert {"bench", "sample", "torchrun"} <= documented  # the scan itself finds them
     code = ("import importlib, importlib.util, sys\n"
-            f"for name in {list(TOOLS)!r}:\n"
+            f"for name in {sorted(set(TOOLS) | documented)!r}:\n"
             "    spec = importlib.util.find_spec('mingpt_ddp.' + name)\n"
             "    assert spec and spec.origin.endswith('/tools/' + name + '.py'), (name, spec)\n"
             f"for target in {list(scripts.values())!r}:\n"
@@ -124,3 +140,27 @@ def test_every_python_m_command_and_script_still_resolves():
     help_text = subprocess.run([sys.executable, "-m", "mingpt_ddp.plot"], capture_output=True, text=True,
                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "mingpt_ddp.plot" in help_text.stdout + help_text.stderr
+
+
+@pytest.mark.unit
+def test_every_import_names_a_module_where_it_is_now():
+    """`from mingpt_ddp.bench import X` would still work through the old command names (the
+    package also looks in tools/), as a second copy of the module with its own state; an old
+    flat path of a checkpoint/ or corpus/ module would fail only when that line runs. The
+    package, tests/ and benchmarks/."""
+    known = set(modules())
+    others = {str(p.relative_to(REPO)): p for d in ("tests", "benchmarks") for p in (REPO / d).glob("*.py")}
+    wrong = []
+    for name, path in {**modules(), **others}.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                wrong += [f"{name}: import {a.name}" for a in node.names
+                          if a.name.split(".")[0] == "mingpt_ddp" and a.name not in known]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module \
+                    and node.module.split(".")[0] == "mingpt_ddp":
+                if node.module not in known:
+                    wrong.append(f"{name}: from {node.module} import ...")
+                elif node.module == "mingpt_ddp":  # a module's old flat name, e.g. `from mingpt_ddp import storage`
+                    wrong += [f"{name}: from mingpt_ddp import {a.name}" for a in node.names
+                              if f"mingpt_ddp.{a.name}" not in known and any(k.endswith(f".{a.name}") for k in known)]
+    assert not wrong, wrong
