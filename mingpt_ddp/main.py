@@ -59,7 +59,7 @@ from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import RunLock
-from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
+from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 from mingpt_ddp.tools.sweep import RESULT_FILE, write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -108,10 +108,8 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[AgreedSnapshot]:
     nodes share gives each node its own view: one rank resuming at step N while another
     starts from scratch would train diverging replicas silently, so that is an error naming
     who saw what. A sharded store gives the metadata; its shards are loaded later."""
-    sharded = not isinstance(store, SnapshotStore)
-    found = on_every_rank(store.latest_meta if sharded else store.load_latest, dist)
-    view = None if found is None else SnapshotView(found[0]["train_state"]["step"],
-                                                   found[1] if sharded else store.loaded_sha256, found[1])
+    found = on_every_rank(store.latest_for_resume, dist)
+    view = None if found is None else SnapshotView(found[0]["train_state"]["step"], store.identity(found[1]), found[1])
     # plain tuples over the wire: main.py may run as __main__ (torchrun mingpt_ddp/main.py)
     views = [SnapshotView(*v) if v is not None else None
              for v in distributed.all_gather_object(tuple(view) if view else None)]
@@ -295,22 +293,15 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), dist.is_main, total_steps=0, sinks=sinks)
     outcome = "failed"
     try:
-        sharded = not isinstance(saves_to, SnapshotStore)
-        if sharded:  # every rank saves its own shard
-            from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
-            saver = ShardedSaver(saves_to, run_lock=lock)
-        else:
-            saver = BackgroundSaver(saves_to, cfg.trainer.save_retry_minutes, run_lock=lock) if dist.is_main else None
+        saver = saves_to.saver(cfg.trainer.save_retry_minutes, dist.is_main, run_lock=lock)
         trainer = Trainer(cfg.trainer, cfg.optimizer, model, data.corpus, dist, metrics, saver, metadata, lock,
                           token_bytes=torch.from_numpy(tok.byte_lengths()),
                           resumed_precision=found.snapshot.get("precision") if found is not None else None)
         if found is not None:
-            snapshot = found.snapshot
-            if sharded and ddp_files is None:  # the shards of this world size, read in place (resharded if it changed)
-                shards = trainer.strategy.state_dicts(trainer.optimizer)
-                saves_to.load(found.where, shards)
-                snapshot = {**snapshot, **shards}
-            trainer.load_state_dict(snapshot)
+            # from the store it was found in: an FSDP run starting from DDP files reads them whole
+            resumed_from = ddp_files or saves_to
+            trainer.load_state_dict(resumed_from.complete(found.snapshot, found.where, trainer.strategy,
+                                                          trainer.optimizer))
             metrics.note(f"resumed from {found.where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
                          + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))

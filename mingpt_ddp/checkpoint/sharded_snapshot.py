@@ -316,6 +316,27 @@ class ShardedSnapshotStore:
         self._stager = None
         self._inflight: Optional[SaveHandle] = None
 
+    # ---- what a run asks of its snapshots, whichever store it has (SnapshotStore too) -----
+    def latest_for_resume(self) -> Optional[tuple[dict[str, Any], str]]:
+        """(meta, directory) of the newest committed snapshot on this rank; the shards are
+        read by complete(), once the model and optimizer to read them into exist."""
+        return self.latest_meta()
+
+    def identity(self, where: str) -> str:
+        """What must be the same on every rank resuming from `where`: the snapshot's directory."""
+        return where
+
+    def saver(self, save_retry_minutes: float, is_main: bool, run_lock: Any = None) -> "ShardedSaver":
+        """Every rank's side of a save: each writes its own shard (save_retry_minutes is the store's)."""
+        return ShardedSaver(self, run_lock=run_lock)
+
+    def complete(self, snapshot: dict[str, Any], where: str, strategy: Any, optimizer: Any) -> dict[str, Any]:
+        """The snapshot's metadata with this rank's shards of the model and optimizer, read in
+        place at this world size (resharded if it changed). Collective."""
+        shards = strategy.state_dicts(optimizer)
+        self.load(where, shards)
+        return {**snapshot, **shards}
+
     # ---- names --------------------------------------------------------------------------
     def step_dir(self, step: int) -> str:
         return f"{self.root}/step{step:09d}"

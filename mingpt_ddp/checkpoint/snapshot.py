@@ -175,6 +175,23 @@ class SnapshotStore:
         self._history = re.compile(re.escape(self.stem) + r"\.step(\d+)" + re.escape(self.suffix) + "$")
         self.loaded_sha256: Optional[str] = None  # payload checksum of what load_latest() returned
 
+    # ---- what a run asks of its snapshots, whichever store it has (ShardedSnapshotStore too) ----
+    def latest_for_resume(self) -> Optional[tuple[dict[str, Any], str]]:
+        """(snapshot, where) of the newest snapshot that passes its checksum, on this rank."""
+        return self.load_latest()
+
+    def identity(self, where: str) -> str:
+        """What must be the same on every rank resuming from `where`: the payload's checksum."""
+        return self.loaded_sha256 or where
+
+    def saver(self, save_retry_minutes: float, is_main: bool, run_lock: Any = None) -> Optional["BackgroundSaver"]:
+        """Rank 0's background writer; None on the other ranks (one writer, ever)."""
+        return BackgroundSaver(self, save_retry_minutes, run_lock=run_lock) if is_main else None
+
+    def complete(self, snapshot: dict[str, Any], where: str, strategy: Any, optimizer: Any) -> dict[str, Any]:
+        """The snapshot with everything a resume loads: a whole-model file holds it all already."""
+        return snapshot
+
     def _join(self, name: str) -> str:
         return f"{self.directory}/{name}" if self.directory else name
 
