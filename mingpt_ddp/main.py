@@ -1,8 +1,21 @@
 """Train a character-level GPT with DDP: ``torchrun mingpt_ddp/main.py [overrides]``.
 
 The composition root: compose the config, join the process group, build data, model,
-snapshot store and trainer, and hand over to ``Trainer.fit``. Errors the user can fix
-(ConfigError) end here: one line from the rank that hit it, exit code 2.
+snapshot store and trainer, and hand over to ``Trainer.fit``.
+
+How a process ends (``main`` and ``run``):
+
+=====================================================  ==========================================
+what happened                                          exit code
+=====================================================  ==========================================
+trained to the end, or found the run finished earlier  0
+stopped by SIGTERM/SIGUSR1 after a snapshot            0 (Slurm requeues; torchrun does not restart)
+stopped by Ctrl-C after a snapshot                     130 alone, 0 as a torchrun worker
+bad input (ConfigError) or a failed run (RunError)     2, one ``error:`` line from the rank that hit it
+a sweep that went on past failed points                2 at its end, naming the points
+a peer or the network lost (a collective failed)       3, one line
+a bug                                                  its traceback (torchrun's summary names the rank)
+=====================================================  ==========================================
 """
 from __future__ import annotations
 
