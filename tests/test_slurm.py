@@ -241,7 +241,7 @@ def test_node_failure_fails_fast_with_a_clear_message(slurm, small_corpus, tmp_p
             if re.search(r"step \d+/\d+", line):
                 break
         assert job, "".join(lines)
-        agents = [pid for pid, cmd, worker in job_processes(job, "n2") if "mingpt_ddp.tools.torchrun" in cmd and not worker]
+        agents = [pid for pid, cmd, worker in job_processes(job, "n2") if "-m mingpt_ddp.torchrun" in cmd and not worker]
         assert len(agents) == 1, job_processes(job, "n2")
         killed_at = time.monotonic()
         os.kill(agents[0], signal.SIGKILL)
