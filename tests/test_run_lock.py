@@ -79,7 +79,11 @@ def write_owner(url, options=None, **fields):
              "heartbeat": time.time(), "token": "other"}
     owner.update(fields)
     fs, path = fsspec.core.url_to_fs(lock_key(url), **(options or {}))
-    fs.pipe_file(path, json.dumps(owner).encode())
+    if fs.protocol in ("file", "local") or "file" in fs.protocol:  # whole or not at all, as a real writer's
+        fs.pipe_file(path + ".tmp", json.dumps(owner).encode())
+        os.replace(path + ".tmp", path)
+    else:
+        fs.pipe_file(path, json.dumps(owner).encode())
     return owner
 
 
@@ -514,6 +518,48 @@ def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_
     assert error and "lost the run lock" in error, error
     first.release()
     second.release()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kernel_lock", [True, False], ids=["flock", "lease"])
+def test_a_save_confirms_the_lock_itself_without_waiting_for_a_heartbeat(tmp_path, no_job, kernel_lock):
+    """Steps can be far shorter than a heartbeat: a lock taken over a moment ago (the holder's
+    heartbeat has not run yet) already refuses the next save, for both savers, with a kernel
+    lock and with a lease file."""
+    import torch
+    from mingpt_ddp.checkpoint import run_lock
+    from mingpt_ddp.checkpoint.sharded_snapshot import MARKER, ShardedSaver, ShardedSnapshotStore
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore
+
+    if not kernel_lock:
+        no_job.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)
+    url = str(tmp_path / "snapshot.pt")
+    first = new_lock(url, heartbeat_s=3600)
+    first.acquire()
+    assert first.confirm() is None  # still ours: confirming changes nothing
+    if kernel_lock:
+        os.unlink(tmp_path / ".snapshot.lock")
+        second = new_lock(url)
+        second.acquire()
+    else:
+        write_owner(url, job="torchrun run other", token="other")
+    assert first.lost is None  # the heartbeat has not noticed
+    saver = BackgroundSaver(SnapshotStore(url), retry_minutes=1, run_lock=first)
+    saver.submit({"model": {"w": torch.ones(2)}, "train_state": {"step": 3}, "vocab": "ab"}, 3)
+    error = saver.wait()
+    assert error and "lost the run lock" in error, error
+    assert not list(tmp_path.glob("snapshot*.pt")), list(tmp_path.iterdir())
+    sharded = ShardedSaver(ShardedSnapshotStore(url), run_lock=first)
+    sharded.submit({"model": {"w": torch.ones(2)}, "optimizer": {}, "train_state": {"step": 3}}, 3)
+    error = sharded.wait()
+    assert error and "lost the run lock" in error, error
+    assert not list(tmp_path.glob(f"snapshot.pt.dcp/*/{MARKER}")), list(tmp_path.rglob("*"))
+    first.release()
+    if kernel_lock:
+        second.release()
+        assert not (tmp_path / ".snapshot.lock").exists()
+    else:
+        assert read_owner(url)["token"] == "other"  # the loser's release leaves the new owner's record
 
 
 @pytest.mark.cli

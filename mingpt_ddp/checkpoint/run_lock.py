@@ -654,18 +654,55 @@ class RunLock:
                 why = (f"its lease could not be renewed for {time.monotonic() - renewed:.0f}s "
                        f"({storage.describe(exc)}), so another run may take it")
             if why:
-                self.lost = (f"lost the run lock {self.where}: {why}. This run stops without saving again, so that "
-                             "one run alone writes these snapshots")
+                self._mark_lost(why)
                 return
             renewed = time.monotonic()
+
+    def _mark_lost(self, why: str) -> None:
+        self.lost = (f"lost the run lock {self.where}: {why}. This run stops without saving again, so that "
+                     "one run alone writes these snapshots")
+
+    def confirm(self) -> Optional[str]:
+        """Check now, not at the next heartbeat, that the lock is still this run's; why it
+        is not, or None. A saver calls it just before each write: steps can be far shorter
+        than a heartbeat, and a run must not save even once beside the run that took over.
+        Only a record naming another run counts here: a lease file is briefly absent while
+        its owner renews it, so absence, like a store that cannot be read, is left to the
+        heartbeat to judge."""
+        if self.lost or not self.held:
+            return self.lost
+        try:
+            why = self._taken_from_us()
+        except Exception as exc:
+            log.warning("run lock %s: could not check it before saving (%s)", self.where, storage.describe(exc))
+            return None
+        if why:
+            self._mark_lost(why)
+        return self.lost
+
+    def _taken_from_us(self) -> Optional[str]:
+        """Why the lock no longer is this run's, read without writing; None if it still is
+        or nothing shows otherwise."""
+        if self._fd is not None:
+            return self._kernel_lock_gone()
+        owner = _parse(self._lease.read()[0])
+        if owner and owner.get("token") != self.token:
+            return f"another run took it over ({describe_owner(owner)})"
+        return None
+
+    def _kernel_lock_gone(self) -> Optional[str]:
+        if _same_file(self._fd, self.path):
+            return None
+        owner = _parse(self._lease.read()[0])
+        return "the lock file was removed or replaced" + (
+            f"; it is now held by another run ({describe_owner(owner)})" if owner else "")
 
     def _renew(self) -> Optional[str]:
         """Refresh the heartbeat; why the lock is no longer this run's, or None."""
         if self._fd is not None:
-            if not _same_file(self._fd, self.path):
-                owner = _parse(self._lease.read()[0])
-                return "the lock file was removed or replaced" + (
-                    f"; it is now held by another run ({describe_owner(owner)})" if owner else "")
+            why = self._kernel_lock_gone()
+            if why:
+                return why
             self._write_in_place(self._record())
             return None
         version = self._lease.renew(self._record(), self._version)

@@ -701,7 +701,7 @@ class ShardedSnapshotStore:
         if delay > 0:
             log.warning("%s=%g: waiting before committing %s (a test hook)", COMMIT_DELAY_ENV, delay, where)
             time.sleep(delay)
-        lost = self.run_lock.lost if self.run_lock is not None else None
+        lost = self.run_lock.confirm() if self.run_lock is not None else None
         if lost:  # another run now writes these snapshots: never publish one beside it
             return f"sharded snapshot {where} not committed: {lost}", False
         marker = {"format": MARKER_FORMAT, "step": step, "world_size": world_size, "files": files}

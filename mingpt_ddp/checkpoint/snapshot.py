@@ -412,7 +412,7 @@ class BackgroundSaver:
     rank rather than train on with nothing saved.
 
     `run_lock` (the RunLock rank 0 holds): once it is lost, no write starts (each attempt
-    checks), so the run that lost its lock never writes beside the new holder, even
+    confirms the lock with the store first), so the run that lost its lock never writes beside the new holder, even
     before the next stop agreement acts on the loss; `error` then says why.
     """
 
@@ -474,7 +474,7 @@ class BackgroundSaver:
         del state
         where = self.store.display(self.store.step_path(step))
         for delay in storage.backoff_delays(first=1.0, cap=60.0):
-            lost = self.run_lock.lost if self.run_lock is not None else None
+            lost = self.run_lock.confirm() if self.run_lock is not None else None
             if lost:
                 log.error("snapshot %s not saved: %s", where, lost)
                 self._refused = lost
