@@ -336,7 +336,7 @@ class Trainer:
         run now writes these snapshots."""
         if self._last_save_step == self.state.step:
             return
-        lost = distributed.wait_for_main(lambda: self.run_lock.confirm() if self.run_lock is not None else None,
+        lost = distributed.wait_for_main(lambda: self.run_lock.lost if self.run_lock is not None else None,
                                          "checking the run lock")
         if lost:
             raise RunError(lost)

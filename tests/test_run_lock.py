@@ -585,8 +585,9 @@ def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreement
 
 @pytest.mark.unit
 def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_job):
-    """FSDP's saver: rank 0 holds the lock; a save after it is lost is refused (every rank
-    learns it from rank 0's commit step) and no step directory is committed."""
+    """FSDP's saver: rank 0 held the lock; a save after it is lost is refused before it
+    touches anything (every rank learns it from rank 0), so the new holder's snapshot of the
+    same step survives byte for byte."""
     import torch
     from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSaver
     from mingpt_ddp.checkpoint.sharded_snapshot import MARKER, ShardedSnapshotStore
@@ -599,10 +600,14 @@ def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_jo
     second = new_lock(url)
     second.acquire()
     wait_for(lambda: first.lost, 10, "the holder to notice")
+    holder = ShardedSnapshotStore(url)  # the new holder has already saved the same step
+    assert holder.save(3, {"model": {"w": torch.zeros(2)}, "optimizer": {}}, {"train_state": {"step": 3}}) is None
+    holder.close()
+    saved = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     saver.submit({"model": {"w": torch.ones(2)}, "optimizer": {}, "train_state": {"step": 3}}, 3)
     error = saver.wait()
     assert error and "lost the run lock" in error, error
-    assert not list(tmp_path.glob(f"snapshot.pt.dcp/*/{MARKER}")), list(tmp_path.rglob("*"))
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == saved
     first.release()
     second.release()
 

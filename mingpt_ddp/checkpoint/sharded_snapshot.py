@@ -651,7 +651,10 @@ class ShardedSnapshotStore:
         where = self.display(directory)
         # 1. rank 0 clears what an earlier attempt left at this step and writes meta.pt.
         outcome: tuple[Optional[str], bool] = (None, False)
-        if rank == 0:
+        lost = self.run_lock.confirm() if rank == 0 and self.run_lock is not None else None
+        if lost:  # before clearing: a run that lost its lock removes nothing of the new holder's
+            outcome = (f"sharded snapshot {where} not saved: {lost}", False)
+        elif rank == 0:
             try:
                 self._clear_for_save(directory)
                 self._write_whole(f"{directory}/{META}", meta_blob)
