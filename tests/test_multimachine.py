@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY
+from conftest import MAIN, PYTHON, REPO, TINY
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +232,49 @@ def test_a_head_name_resolving_to_loopback_advertises_no_loopback_address(tmp_pa
     assert "net=lo 127.0.0.1" in topo and "--local-addr=127.0.0.1" in cmd, (topo, cmd)
     topo, cmd = resolve(tmp_path, HEAD_NODE="localhost", NNODES="1")
     assert "net=lo " in topo, topo
+
+
+@pytest.mark.unit
+def test_the_launcher_sums_up_refused_workers_in_one_line_and_exit_2(tmp_path):
+    """torch records a worker that left no error file with the message "<NONE>": that is no
+    traceback, so the launcher says one line. Workers that refused the run (exit 2), with any
+    other stopped by the agent's signal, make the node exit 2 (train.sbatch then does not
+    requeue bad input); a worker that crashed otherwise, or left a traceback, does not."""
+    import signal as signals
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from mingpt_ddp.tools import torchrun
+
+    def failure(rank, exitcode, error_file=str(tmp_path / "none.json")):
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=error_file)
+
+    refused = ChildFailedError("main.py", {0: failure(0, 2), 1: failure(1, -signals.SIGTERM)})
+    line = torchrun.workers_failed(refused)
+    assert line and line.startswith("error: worker(s) on") and "rank 0 (local rank 0) exited with code 2" in line
+    assert "rank 1 (local rank 1) died of SIGTERM" in line, line
+    assert torchrun.exit_code_for(refused.failures) == 2
+    assert torchrun.exit_code_for({0: failure(0, 2), 1: failure(1, 2)}) == 2
+    assert torchrun.exit_code_for({0: failure(0, 2), 1: failure(1, 1)}) == torchrun.RDZV_FAILED_EXIT
+    assert torchrun.exit_code_for({0: failure(0, -signals.SIGKILL)}) == torchrun.RDZV_FAILED_EXIT
+    (tmp_path / "error.json").write_text(json.dumps({"message": {"message": "ValueError: bug", "extraInfo": {
+        "py_callstack": "Traceback ...", "timestamp": "0"}}}))
+    crashed = ChildFailedError("main.py", {0: failure(0, 1, str(tmp_path / "error.json"))})
+    assert torchrun.workers_failed(crashed) is None  # torchrun's own summary shows the traceback
+
+
+@pytest.mark.cli
+def test_bad_input_under_the_launcher_ends_with_one_line_and_exit_2(tmp_path):
+    """Two workers refuse a missing data file: one rank says why, the agent adds one summary
+    line, no traceback, and the launcher exits 2."""
+    proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", str(MAIN),
+                           f"data.path={tmp_path / 'missing.txt'}", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text
+    assert "Traceback" not in text and "ChildFailedError" not in text, text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "missing.txt" in errors[0], text
+    summary = [line for line in text.splitlines() if line.startswith("mingpt-torchrun: error: worker(s) on")]
+    assert len(summary) == 1 and "exited with code 2" in summary[0], text

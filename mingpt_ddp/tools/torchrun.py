@@ -188,11 +188,27 @@ def rendezvous_failure(exc: BaseException, args: Any) -> str:
     return f"error: {where}: {cause}: {advice}"
 
 
+def left_a_traceback(failure: Any) -> bool:
+    """The worker wrote an error file (an uncaught exception under @record). torch fills a
+    missing file's record with the message "<NONE>", which is no traceback."""
+    message = failure.error_file_data.get("message")
+    return bool(message) and message != "<NONE>"
+
+
+def exit_code_for(failures: dict[int, Any]) -> int:
+    """2 when the workers refused the run (their `error:` line, exit 2) and any other worker
+    was only stopped by the agent (a signal) because of it: bad input stays bad input for
+    whoever decides on requeueing (train.sbatch). Else the rendezvous/launch failure code."""
+    codes = [f.exitcode for f in failures.values()]
+    refused = any(code == 2 for code in codes) and all(code == 2 or code < 0 for code in codes)
+    return 2 if refused else RDZV_FAILED_EXIT
+
+
 def workers_failed(exc: Any) -> Optional[str]:
     """One line for workers that failed without a traceback of their own: they exited with a
     code after printing their own `error:` line, or died of a signal. None when one of them
     left a traceback (a bug): torchrun's summary shows it."""
-    if any(f.error_file_data.get("message") for f in exc.failures.values()):
+    if any(left_a_traceback(f) for f in exc.failures.values()):
         return None
     parts = []
     for rank, f in sorted(exc.failures.items()):
@@ -236,9 +252,7 @@ def cli() -> None:
         if line is None:
             raise
         say(line)
-        # Every worker refused its input (ConfigError's 2): so does this node, e.g. for
-        # train.sbatch, which does not requeue bad input.
-        sys.exit(2 if all(f.exitcode == 2 for f in exc.failures.values()) else RDZV_FAILED_EXIT)
+        sys.exit(exit_code_for(exc.failures))
 
 
 if __name__ == "__main__":
