@@ -48,8 +48,8 @@
 #                   it is passed on to torchrun (--rdzv_conf is_host=...).
 #   LOCAL_ADDR      address this node advertises to the others (rank 0's store is reached
 #                   there) [this machine's address on the route to HEAD_NODE]
-#   PYTHON          interpreter with torch, hydra-core, omegaconf and fsspec (the package itself
-#                   runs from REPO_DIR, it need not be installed) [VENV/bin/python if VENV is set,
+#   PYTHON          interpreter with torch, numpy, hydra-core, omegaconf and fsspec (the package
+#                   itself runs from REPO_DIR, it need not be installed) [VENV/bin/python if VENV is set,
 #                   else .venv/bin/python in the repository if present, else python3]
 #   REPO_DIR        repository to run from [the one containing this script]
 #   TORCHRUN_ARGS   extra torchrun options, e.g. "--redirects 3 --log-dir /tmp/logs"

@@ -230,10 +230,16 @@ def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
     """The config main.py would run with these overrides (conf/ and the schema), checked:
     for tools that are not a Hydra app (bench, prepare)."""
     from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     register()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
-        cfg = hydra_compose("config", overrides=overrides)
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
+            cfg = hydra_compose("config", overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:  # an unknown key, group option or a wrong type
+        raise ConfigError(f"{str(exc).splitlines()[0]} (overrides: {' '.join(overrides)}; "
+                          "see docs/configuration.md for the keys and their types)") from None
     validate(cfg)
     return cfg
 

@@ -177,7 +177,9 @@ class Trainer:
     def _resolve_precision(self, resumed: Optional[str]) -> precision.PrecisionPlan:
         """trainer.precision, with `auto` decided once per run: a resume keeps the snapshot's
         choice (another CPU, or a lost cache of measurements, could decide differently and
-        switch fp32 and bf16 in the middle of a run); an explicit precision replaces it."""
+        switch fp32 and bf16 in the middle of a run) unless that choice cannot run here, or is
+        bf16 emulated on this CPU (matmuls several times slower than fp32): then `auto`
+        decides again. An explicit precision replaces it."""
         requested = getattr(self.cfg.precision, "value", self.cfg.precision)
         if requested == "auto" and resumed:
             try:

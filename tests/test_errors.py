@@ -32,3 +32,16 @@ def test_a_bug_is_not_turned_into_a_user_facing_error():
     with pytest.raises(RuntimeError, match="rank 0 failed: KeyError") as err:
         distributed._raise_outcome(outcome, "rank 0")
     assert not isinstance(err.value, UserFacingError)
+
+
+@pytest.mark.parametrize("override, says", [("model=nonexistent", "model/nonexistent"),
+                                            ("trainer.batch_sise=8", "trainer.batch_sise"),
+                                            ("trainer.batch_size=many", "trainer.batch_size")])
+def test_overrides_that_do_not_compose_are_bad_input_for_every_tool(override, says):
+    """bench and prepare compose the config themselves (not a Hydra app): a misspelt key, an
+    unknown preset or a wrong type is a ConfigError naming it, not Hydra's traceback."""
+    from mingpt_ddp import config
+
+    with pytest.raises(ConfigError, match=says) as caught:
+        config.compose([override])
+    assert "\n" not in str(caught.value)

@@ -137,6 +137,9 @@ def test_every_python_m_command_and_script_still_resolves():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    silent = [name for name in documented
+              if 'if __name__ == "__main__"' not in (REPO / "mingpt_ddp" / "tools" / f"{name}.py").read_text()]
+    assert not silent, f"documented as `python -m mingpt_ddp.<name>` but do nothing when run: {silent}"
     help_text = subprocess.run([sys.executable, "-m", "mingpt_ddp.plot"], capture_output=True, text=True,
                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert "mingpt_ddp.plot" in help_text.stdout + help_text.stderr
