@@ -63,7 +63,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp import config, distributed, loggers, parallel, preemption, profiling, time_budget
-from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.checkpoint import run_dir as run_dir_check, storage
 from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus.token_cache import load_corpus
@@ -321,6 +321,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         metrics.total_steps = trainer.total_steps
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
+        global _trained
+        _trained = True  # from here the run's .hydra/ files describe what trained
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -410,6 +412,7 @@ class _EndProcess(BaseException):
 
 
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
+_trained = False  # this point began training (else its .hydra/ files go back to the earlier run's)
 _points_run = 0  # points of this process's sweep so far
 _failed_points: list[str] = []  # those that failed (the same on every rank)
 
@@ -437,9 +440,10 @@ def _report_error(message: str) -> None:
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
-    global _points_run
+    global _points_run, _trained
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
+    _trained = False
     started = time.time()
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
@@ -452,6 +456,8 @@ def main(cfg: DictConfig) -> Optional[float]:
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except UserFacingError as exc:  # bad input (ConfigError) or a failed run (RunError): one line, exit 2
+        if not _trained:
+            run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)
         _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(exc.exit_code)
@@ -467,6 +473,8 @@ def main(cfg: DictConfig) -> Optional[float]:
     finally:
         gc.collect()  # a sweep's next point starts without this one's model and optimizer
         distributed.release_cached_memory()
+    if status == "finished earlier":
+        run_dir_check.restore_hydra_files(run_dir)
     already_recorded = status == "finished earlier" and os.path.exists(os.path.join(run_dir, RESULT_FILE))
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,

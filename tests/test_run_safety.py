@@ -92,3 +92,19 @@ def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, ove
     assert "FileNotFoundError" not in output(proc) and time.monotonic() - start < 30
 
 
+
+
+@pytest.mark.cli
+def test_a_refused_or_finished_run_leaves_the_run_directorys_config_alone(tmp_path, small_corpus):
+    """Hydra writes .hydra/ before any check: a resume refused for another model, and a run
+    that had already finished, put back the files of the run whose snapshots are there."""
+    run_dir = tmp_path / "run"
+    must_pass(run_cli(args(run_dir, small_corpus, "trainer.max_steps=2")))
+    hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+    assert set(hydra_files) == {"config.yaml", "hydra.yaml", "overrides.yaml"}
+    expect_config_error(run_cli(args(run_dir, small_corpus, "trainer.max_steps=2", "model.n_layer=2")),
+                        "model.n_layer")
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files
+    text = must_pass(run_cli(args(run_dir, small_corpus, "trainer.max_steps=2", "trainer.log_every=1")))
+    assert "run already finished" in text, text
+    assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == hydra_files

@@ -72,6 +72,34 @@ def take_the_sweep_lock(config: DictConfig) -> Optional[Any]:
     return lock
 
 
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+_earlier_hydra_files: dict[str, bytes] = {}  # path: what an earlier run left there, read before Hydra writes
+
+
+def remember_hydra_files(run_dirs: list[str], output_subdir: Optional[str]) -> None:
+    """Keep the `.hydra/` files an earlier run left in these run directories: Hydra writes
+    this run's config over them before any check, and a run refused (another model under
+    the same snapshots) or already finished must leave them describing the run that is there."""
+    if not output_subdir:
+        return
+    for run_dir in run_dirs:
+        for name in HYDRA_FILES:
+            path = os.path.join(run_dir, output_subdir, name)
+            try:
+                with open(path, "rb") as f:
+                    _earlier_hydra_files[os.path.abspath(path)] = f.read()
+            except OSError:
+                pass
+
+
+def restore_hydra_files(run_dir: str) -> None:
+    """Put back the `.hydra/` files remembered for `run_dir` (nothing if it had none)."""
+    root = os.path.abspath(run_dir)
+    for path, blob in _earlier_hydra_files.items():
+        if os.path.dirname(os.path.dirname(path)) == root:
+            storage.write_local_atomically(path, lambda f, blob=blob: f.write(blob))
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
@@ -93,6 +121,7 @@ class RunDirCheck(Callback):
             refuse_a_live_run(config)
         except ConfigError as exc:
             _refuse(exc)
+        remember_hydra_files([str(config.hydra.run.dir)], config.hydra.output_subdir)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         storage.redact_logs()
@@ -101,6 +130,8 @@ class RunDirCheck(Callback):
             self._sweep_lock = take_the_sweep_lock(config)
         except ConfigError as exc:
             _refuse(exc)
+        sweep_dir = str(config.hydra.sweep.dir)
+        remember_hydra_files([e.path for e in os.scandir(sweep_dir) if e.is_dir()], config.hydra.output_subdir)
 
     def __getstate__(self) -> dict[str, Any]:
         # Launchers that pickle the callbacks with each job (submitit) take no lock along:
