@@ -319,6 +319,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                          + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
         metrics.total_steps = trainer.total_steps
+        trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
         global _trained
@@ -333,6 +334,16 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
     finally:
         metrics.close(outcome)
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, saves_to.url
+
+
+def how_to_resume(cfg: DictConfig, run_dir: str) -> str:
+    """What to run to resume: the same command, plus the run directory where the command
+    alone would pick a new one (a timestamp; torchrun --standalone's random run id)."""
+    hydra_cfg = HydraConfig.get()
+    named = any(o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for o in hydra_cfg.overrides.hydra)
+    if named or cfg.trainer.snapshot_path or hydra_cfg.mode == RunMode.MULTIRUN or os.environ.get("SLURM_JOB_ID"):
+        return "run the same command to resume"
+    return f"run the same command with hydra.run.dir={run_dir} to resume"
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:

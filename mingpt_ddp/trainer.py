@@ -173,6 +173,7 @@ class Trainer:
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
+        self.resume_hint = "run the same command (same run directory) to resume"  # main names the directory
 
     def _resolve_precision(self, resumed: Optional[str]) -> precision.PrecisionPlan:
         """trainer.precision, with `auto` decided once per run: a resume keeps the snapshot's
@@ -469,7 +470,7 @@ class Trainer:
                 self._wait_for_saves()
                 self.metrics.note(
                     f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
-                    "snapshot: run the same command (same run directory) to resume"
+                    f"snapshot: {self.resume_hint}"
                 )
                 return None
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):

@@ -189,3 +189,22 @@ def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, sm
     vocab = set(small_corpus.read_text(encoding="utf-8"))
     shown = [line[4:] for line in lines if line.startswith("    ")]
     assert set("".join(shown)) <= vocab
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_the_stop_line_names_the_run_directory_when_the_command_alone_would_start_over(tmp_path, small_corpus):
+    """Without hydra.run.dir the run directory is a timestamp: "run the same command" would
+    start a new run, so the stop line gives the override, and following it resumes."""
+    args = [*LONG_RUN, f"data.path={small_corpus}"]
+    proc, log = start(args, False, tmp_path)
+    wait_for_text(log, "tok/s", proc)
+    ctrl_c(proc)
+    assert proc.wait(timeout=120) == INTERRUPTED_EXIT_CODE, log.read_text()
+    hint = log.read_text().split("run the same command with ", 1)[1].split()[0]
+    assert hint.startswith("hydra.run.dir=") and Path(hint.split("=", 1)[1]).is_dir(), hint
+    proc, log = start([*args, hint], False, tmp_path)
+    wait_for_text(log, "resumed from", proc)
+    ctrl_c(proc)
+    assert proc.wait(timeout=120) == INTERRUPTED_EXIT_CODE, log.read_text()
+    assert "run the same command to resume" in log.read_text()  # the directory is named now
