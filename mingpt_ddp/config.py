@@ -237,11 +237,24 @@ def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
     try:
         with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3", job_name=job_name):
             cfg = hydra_compose("config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as exc:  # an unknown key, group option or a wrong type
-        raise ConfigError(f"{str(exc).splitlines()[0]} (overrides: {' '.join(overrides)}; "
-                          "see docs/configuration.md for the keys and their types)") from None
-    validate(cfg)
+        validate(cfg)  # reads every value: an interpolation that cannot resolve fails here
+    except (HydraException, OmegaConfBaseException) as exc:  # an unknown key, group option, type or interpolation
+        raise ConfigError(f"{_without_secrets(str(exc), overrides)} (see docs/configuration.md for the keys "
+                          "and their types)") from None
     return cfg
+
+
+def _without_secrets(message: str, overrides: list[str]) -> str:
+    """Hydra's first two lines (what failed, and why), with the values of secret-named keys
+    and URL credentials masked: Hydra quotes the override it could not apply."""
+    from mingpt_ddp.checkpoint import storage
+
+    text = "; ".join(line.strip() for line in message.splitlines()[:2] if line.strip())
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if value and storage.is_secret_name(key.rsplit(".", 1)[-1]):
+            text = text.replace(value, storage.REDACTED)
+    return storage.redact(text)
 
 
 def run_id() -> str:

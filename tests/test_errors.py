@@ -45,3 +45,22 @@ def test_overrides_that_do_not_compose_are_bad_input_for_every_tool(override, sa
     with pytest.raises(ConfigError, match=says) as caught:
         config.compose([override])
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("overrides", [["trainer.storage_options.secret=SUPERSECRET123", "trainer.batch_sise=3"],
+                                       ["trainer.storage_options.secret=SUPERSECRET123"],
+                                       ["trainer.keep_last=s3://AKIAXXXX:SUPERSECRET123@bucket/x"],
+                                       ["trainer.batch_size=${oc.env:SUPERSECRET123_UNSET}"]])
+def test_a_config_error_never_shows_a_secret_from_the_command_line(overrides):
+    """Hydra quotes the override it could not apply: secret-named keys' values and URL
+    credentials are masked before the one line is printed (by bench, prepare, sweeps)."""
+    from mingpt_ddp import config
+
+    with pytest.raises(ConfigError) as caught:
+        config.compose(overrides)
+    message = str(caught.value)
+    assert "\n" not in message
+    if "oc.env" in overrides[0]:
+        assert "SUPERSECRET123_UNSET" in message  # an environment variable's name is no secret: it says what to set
+    else:
+        assert "SUPERSECRET123" not in message, message

@@ -1093,7 +1093,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except UserFacingError as exc:
         rank = int(os.environ.get("RANK", "0"))
         if distributed.first_to_report(str(exc), "bench"):  # once, by a rank that hit it
-            print(f"{f'[rank {rank}] ' if rank else ''}error: {exc}", file=sys.stderr, flush=True)
+            print(f"{f'[rank {rank}] ' if rank else ''}error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
         return ConfigError.exit_code
     result = {"mode": mode, "env": environment(dist), "options": {k: v for k, v in options.items() if v is not None},
               "overrides": overrides, **result}
