@@ -24,6 +24,7 @@ import gc
 import hashlib
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -337,13 +338,17 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
 
 
 def how_to_resume(cfg: DictConfig, run_dir: str) -> str:
-    """What to run to resume: the same command, plus the run directory where the command
-    alone would pick a new one (a timestamp; torchrun --standalone's random run id)."""
+    """What to run to resume: the same command, plus the directory unless the command names
+    it; else its run id decides (a timestamp, torchrun --standalone's random id, a new Slurm
+    job's id) and the same command would start over. (A requeued Slurm job keeps its id and
+    resumes by itself.)"""
     hydra_cfg = HydraConfig.get()
-    named = any(o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for o in hydra_cfg.overrides.hydra)
-    if named or cfg.trainer.snapshot_path or hydra_cfg.mode == RunMode.MULTIRUN or os.environ.get("SLURM_JOB_ID"):
+    key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
+    named = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
+    if named or cfg.trainer.snapshot_path:
         return "run the same command to resume"
-    return f"run the same command with hydra.run.dir={run_dir} to resume"
+    where = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else run_dir
+    return f"run the same command with {shlex.quote(f'{key}={where}')} to resume"
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -496,9 +501,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     if in_sweep and not stopped_by:
         stopped_by = max(distributed.all_gather_object(preemption.received()))
     if stopped_by and in_sweep and int(os.environ.get("RANK", "0")) == 0:
-        log.info("sweep stopped by %s after point %s: run the same command to resume it (finished points are "
-                 "skipped, a stopped one resumes from its snapshot)", signal.Signals(stopped_by).name,
-                 HydraConfig.get().job.num)
+        log.info("sweep stopped by %s after point %s: %s (finished points are skipped, a stopped one resumes "
+                 "from its snapshot)", signal.Signals(stopped_by).name, HydraConfig.get().job.num,
+                 how_to_resume(cfg, run_dir).replace("to resume", "to resume the sweep"))
     if stopped_by == signal.SIGINT or (stopped_by and in_sweep):
         if _ran_by_cli:  # a sweep of this process's own: through Hydra and torchrun's @record to run()
             raise _EndProcess(_stop_exit_code(stopped_by))

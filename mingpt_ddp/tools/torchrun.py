@@ -196,12 +196,11 @@ def left_a_traceback(failure: Any) -> bool:
 
 
 def exit_code_for(failures: dict[int, Any]) -> int:
-    """2 when the workers refused the run (their `error:` line, exit 2) and any other worker
-    was only stopped by the agent (a signal) because of it: bad input stays bad input for
-    whoever decides on requeueing (train.sbatch). Else the rendezvous/launch failure code."""
-    codes = [f.exitcode for f in failures.values()]
-    refused = any(code == 2 for code in codes) and all(code == 2 or code < 0 for code in codes)
-    return 2 if refused else RDZV_FAILED_EXIT
+    """2 when every failed worker exited 2 (their `error:` line), else the launch failure code.
+    Not 2 when the agent stopped the others by a signal: exit 2 is also a RunError (a hung
+    peer, a lost store) that train.sbatch should requeue, and bad input fails within seconds,
+    which its REQUEUE_MIN_STEP_SECONDS does not requeue either way."""
+    return 2 if all(f.exitcode == 2 for f in failures.values()) else RDZV_FAILED_EXIT
 
 
 def workers_failed(exc: Any) -> Optional[str]:
