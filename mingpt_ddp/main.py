@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
+import json
 import logging
 import os
 import shlex
@@ -491,7 +492,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         distributed.release_cached_memory()
     if status == "finished earlier":
         run_dir_check.restore_hydra_files(run_dir)
-    already_recorded = status == "finished earlier" and os.path.exists(os.path.join(run_dir, RESULT_FILE))
+    already_recorded = status == "finished earlier" and _recorded_as_finished(run_dir)
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
@@ -509,6 +510,16 @@ def main(cfg: DictConfig) -> Optional[float]:
             raise _EndProcess(_stop_exit_code(stopped_by))
         sys.exit(_stop_exit_code(stopped_by))  # a launcher's job (submitit) for this point alone
     return val_loss
+
+
+def _recorded_as_finished(run_dir: str) -> bool:
+    """The point's result file records a finished run (its wall time is the one to keep); a
+    refused or failed attempt's record is replaced."""
+    try:
+        with open(os.path.join(run_dir, RESULT_FILE)) as f:
+            return json.load(f).get("status") in ("completed", "finished earlier")
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def run() -> None:

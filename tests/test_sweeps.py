@@ -1,6 +1,7 @@
 """Hydra multirun under torchrun: one directory per point, restarts skip finished points,
 failures are recorded, a summary and a plot at the end."""
 import csv
+import json
 import os
 import signal
 import struct
@@ -184,3 +185,28 @@ def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_write
     finally:
         if first.poll() is None:
             os.killpg(first.pid, signal.SIGKILL)
+
+
+@pytest.mark.cli
+def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small_corpus):
+    """A sweep run again with another model refuses its finished points (recorded as failed);
+    run again as it was, the points are finished earlier: their records say so, not the old
+    failure, and summary.md lists no failed point."""
+    sweep = tmp_path / "sweep"
+    base = [PYTHON, str(MAIN), "--multirun", *FIXED, "model=gpt-nano", f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}",
+            "trainer.max_steps=2", "optimizer.lr=3e-3,1e-3"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def sweep_once(*extra):
+        return subprocess.run([*base, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+    first = sweep_once()
+    assert first.returncode == 0, first.stderr
+    refused = sweep_once("model.n_layer=2")
+    assert refused.returncode == 2, refused.stderr
+    assert {json.loads((sweep / p / "result.json").read_text())["status"] for p in ("0", "1")} == {"failed"}
+    again = sweep_once()
+    assert again.returncode == 0, again.stderr
+    for point in ("0", "1"):
+        assert json.loads((sweep / point / "result.json").read_text())["status"] == "finished earlier"
+    assert "failed" not in (sweep / "summary.md").read_text().lower()
