@@ -278,6 +278,12 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot) -> O
     state = TrainState(**found.snapshot["train_state"])
     if not is_finished(state, cfg.trainer):
         return None
+    changed = settings_changed(found.snapshot.get("config"), cfg)
+    if changed:  # its loss would be credited to settings it never trained with (a reordered sweep)
+        raise ConfigError(
+            f"the run at {found.where} finished under other training settings than this config's "
+            f"({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}): its result is not this config's. "
+            "Start a new run (another hydra.run.dir / hydra.sweep.dir), or give the settings it was trained with")
     if dist.is_main:
         by_plan = not is_finished(dataclasses.replace(state, planned_steps=None), cfg.trainer)
         further = (time_budget.how_to_extend(state, cfg.trainer.time_budget_minutes) if by_plan
@@ -285,6 +291,23 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot) -> O
         log.info("run already finished (epoch %d, step %d, snapshot %s): nothing to do; %s, or start a new run",
                  state.epoch, state.step, found.where, further)
     return state
+
+
+# What a finished run's result depends on, beyond what check_compatible compares (shape,
+# vocabulary, optimizer): a run under other values of these did not train what it reports.
+RESULT_KEYS = ("model.", "optimizer.", "data.block_size", "trainer.batch_size", "trainer.grad_accum_steps",
+               "trainer.seed", "trainer.grad_clip")
+
+
+def settings_changed(saved: Any, cfg: DictConfig) -> list[str]:
+    """`key: saved -> now` for the RESULT_KEYS whose value differs from the snapshot's config
+    (none when the snapshot records no config)."""
+    if not isinstance(saved, dict):
+        return []
+    before = config.flat_resolved(saved)
+    now = config.flat_resolved(storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+    return [f"{key}={before.get(key)!r} then, {now.get(key)!r} now" for key in sorted(set(before) | set(now))
+            if key.startswith(RESULT_KEYS) and before.get(key) != now.get(key)]
 
 
 def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_files: Optional[SnapshotStore],

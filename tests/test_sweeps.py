@@ -210,3 +210,11 @@ def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small
     for point in ("0", "1"):
         assert json.loads((sweep / point / "result.json").read_text())["status"] == "finished earlier"
     assert "failed" not in (sweep / "summary.md").read_text().lower()
+    # The values in another order: point 0 (now lr=1e-3) holds lr=3e-3's finished run. Its loss
+    # must not be reported as lr=1e-3's: refused, naming the setting.
+    base[-1] = "optimizer.lr=1e-3,3e-3"
+    reordered = sweep_once()
+    assert reordered.returncode == 2, reordered.stderr
+    for point, change in (("0", "optimizer.lr=0.003 then, 0.001 now"), ("1", "optimizer.lr=0.001 then, 0.003 now")):
+        record = json.loads((sweep / point / "result.json").read_text())
+        assert record["status"] == "failed" and change in record["error"], record
