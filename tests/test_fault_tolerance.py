@@ -216,19 +216,25 @@ def test_resuming_with_another_world_size_keeps_the_global_batch(tmp_path, small
 @pytest.mark.cli
 def test_precision_auto_keeps_the_snapshots_choice_and_an_explicit_one_overrides_it(tmp_path, small_corpus):
     """precision=auto resolves once per run: a resume (on another CPU, or with the cache of
-    measurements gone) trains on in the snapshot's precision; an explicit one replaces it."""
+    measurements gone) trains on in the snapshot's precision, unless that is bf16 on a CPU
+    without bf16 instructions (emulated, many times slower): then auto decides again, and
+    says why. An explicit precision replaces it."""
     run_dir = tmp_path / "run"
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    bf16_emulated = not ({"avx512_bf16", "amx_bf16"} & set(flags))
 
-    def run(precision: str, steps: int) -> str:
+    def run(precision: str, steps: int) -> tuple[str, str]:
         text = must_pass(run_cli(args(run_dir, small_corpus, f"trainer.max_steps={steps}",
                                       f"trainer.precision={precision}")))
-        return text.split("process(es) (cpu, ", 1)[1].split(")", 1)[0]
+        return text.split("process(es) (cpu, ", 1)[1].split(")", 1)[0], text
 
-    assert run("bf16", 5).endswith("bf16") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "bf16"
-    text = run("auto", 10)
-    assert text.endswith("bf16") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "bf16"
-    assert run("fp32", 15).endswith("fp32") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "fp32"
-    assert run("auto", 20).endswith("fp32") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "fp32"
+    assert run("bf16", 5)[0].endswith("bf16") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "bf16"
+    chosen, text = run("auto", 10)
+    kept = "fp32" if bf16_emulated else "bf16"
+    assert chosen.endswith(kept) and load_snapshot(run_dir / "snapshot.pt")["precision"] == kept, text
+    assert ("is emulated on this CPU" in text) == bf16_emulated, text
+    assert run("fp32", 15)[0].endswith("fp32") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "fp32"
+    assert run("auto", 20)[0].endswith("fp32") and load_snapshot(run_dir / "snapshot.pt")["precision"] == "fp32"
 
 
 @pytest.mark.cli
