@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import MAIN, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_options
-from mingpt_ddp import char_dataset, distributed
+from mingpt_ddp import char_dataset, config, distributed
 from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, to_device
 from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
@@ -173,6 +173,42 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     load(tmp_path / "text.txt", cache)
     left = os.listdir(cache / "tokens")
     assert first.name not in left and with_vocab.name not in left and third.name in left
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_live_runs_cache_files_survive_another_jobs_clean_up_a_day_later(tmp_path, small_corpus, monkeypatch,
+                                                                            kind):
+    """Another job's prepare on the same data.cache_dir removes what nobody touched for a day
+    (remove_unused). A run training for longer keeps touching its token file, index entry,
+    tokenizer and trained BPE, so its restart maps them instead of encoding (and training the
+    BPE) again while its other ranks wait (issue 29, defect 6)."""
+    if kind == "bpe":
+        pytest.importorskip("tokenizers")
+        pytest.importorskip("tiktoken")
+    monkeypatch.setattr(token_cache, "KEEP_FRESH_S", 0.1, raising=False)  # an hour, seen in a tenth of a second
+    data = config.DataConfig(path=str(small_corpus), cache_dir=str(tmp_path / "cache"), block_size=16,
+                             tokenizer=kind, vocab_size=300)
+    token_cache.load_corpus(data, SINGLE, 0.0)  # the run starts, and trains on
+    directory = token_cache.tokens_dir(data.cache_dir)
+    runs_files = sorted(n for n in os.listdir(directory) if not n.endswith(".lock"))
+    assert len(runs_files) == (2 if kind == "char" else 5)  # + counts, tokenizer, trained BPE
+    earlier = os.path.join(directory, "0123-an-earlier-text.uint8")
+    open(earlier, "wb").write(b"x")
+    day_ago = time.time() - token_cache.UNUSED_FOR_S - 60
+    for name in [*runs_files, os.path.basename(earlier)]:  # a day goes by
+        os.utime(os.path.join(directory, name), (day_ago, day_ago))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.getmtime(os.path.join(directory, n)) < time.time() - 3600
+                                              for n in runs_files):
+        time.sleep(0.05)
+    token_cache.remove_unused(directory)  # another job's prepare
+    left = set(os.listdir(directory))
+    assert os.path.basename(earlier) not in left  # unused files still go
+    assert set(runs_files) <= left, sorted(set(runs_files) - left)
+    again = token_cache.prepare(str(small_corpus), None, {}, data.cache_dir, 0.0,
+                                tokenization=token_cache.tokenization(data))
+    assert again.encode_s is None  # the restart reuses them
 
 
 @pytest.mark.unit

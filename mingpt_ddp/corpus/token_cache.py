@@ -19,8 +19,11 @@ written atomically. The cache is keyed by what decides its content, never by nam
 - a token file per text and encoding: ``<text hash>-<encoding hash>.<dtype>``. Nodes
   with their own copies of one text share it, other text never does.
 
-Every use touches the files it used; only files nobody has used for UNUSED_FOR_S are
-removed, so a node never deletes what another node sharing the cache is about to map.
+Every use touches the files it used, and a live run keeps touching them (keep_fresh) every
+KEEP_FRESH_S; only files nobody has touched for UNUSED_FOR_S are removed, so neither a node
+about to map a file nor a run that has been training for days loses its files to another
+job's clean-up (the modification time is the signal: it holds on NFS and Lustre, where a
+lock may not reach other nodes).
 Every rank then memory-maps the token file, so a node keeps one copy in its page cache.
 """
 from __future__ import annotations
@@ -60,6 +63,8 @@ ID_DTYPES = (np.uint8, np.uint16)
 # A cache file nobody has used for this long is removed. Far longer than any start-up, so
 # a file another node has just made or reused (and touched) is never taken from under it.
 UNUSED_FOR_S = 24 * 3600
+# A live run touches its cache files this often: a day-long run keeps them far from UNUSED_FOR_S.
+KEEP_FRESH_S = 3600.0
 # What an HTTP server says about a file's content; without any, a copy cannot be trusted.
 HTTP_VALIDATORS = ("ETag", "Content-MD5", "Digest", "Last-Modified")
 
@@ -454,6 +459,9 @@ class TokenFile:
     tokenizer: Optional[str] = None  # bpe/gpt2: the tokenizer's file in <cache_dir>/tokens (tokenizer.to_dict as JSON)
     train_tokens: Optional[int] = None  # bpe/gpt2: tokens before the split (None: CharCorpus splits by val_fraction)
     fingerprint: Optional[str] = None  # bpe/gpt2: tokenizer.fingerprint of the tokenizer
+    # The cache files in `directory` a run on this token file needs (itself, its index entry
+    # and counts, its tokenizer, the trained BPE): what keep_fresh touches while it runs.
+    in_use: tuple[str, ...] = ()
 
 
 def tokens_dir(cache_dir: Optional[str]) -> str:
@@ -599,14 +607,15 @@ def _prepare_characters(path: str, sources: list[Source], directory: str, vocab:
                  corpus_bytes / 1e6, token_path, encode_s, corpus_bytes / 1e6 / max(encode_s, 1e-9))
     remove_unused(directory)
     return TokenFile(name, chars, entry["length"], dtype.name, shown, corpus_bytes, encode_s, directory,
-                     entry["text_sha256"])
+                     entry["text_sha256"], in_use=(os.path.basename(index_path), name))
 
 
 def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
     """Remove the cache files nobody has used for `unused_for_s` (each use touches them):
     earlier versions of a text, index entries of files that changed, what a killed writer
     left. Never a file in use: another node sharing the cache touched it moments ago, and a
-    process still mapping a file it made long ago keeps its mapping (unlink does not touch it)."""
+    live run touches its files every KEEP_FRESH_S (keep_fresh), so its restart (a requeue,
+    an elastic restart) finds them instead of encoding the corpus again."""
     cutoff = time.time() - unused_for_s
     try:
         entries = list(os.scandir(directory))
@@ -619,6 +628,30 @@ def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
                 os.unlink(entry.path)
         except OSError:
             pass
+
+
+_fresh: dict[str, Any] = {"paths": (), "thread": None}
+_fresh_changed = threading.Event()
+
+
+def keep_fresh(paths: tuple[str, ...]) -> None:
+    """Touch `paths` every KEEP_FRESH_S for as long as this process lives, so that no
+    remove_unused (another job's prepare on a shared cache) takes them while this run uses
+    them. Replaces what the process kept fresh before: a process trains on one corpus at a
+    time (a sweep's next point, a resume's re-encoding with the snapshot's ids, its own).
+    A daemon thread: it ends with the process, and then the files age as any others."""
+    _fresh["paths"] = tuple(paths)
+    _fresh_changed.set()  # (re)reads KEEP_FRESH_S and the paths now
+    if _fresh["thread"] is None:
+        def touch_forever() -> None:
+            while True:
+                _fresh_changed.wait(KEEP_FRESH_S)
+                _fresh_changed.clear()
+                for path in _fresh["paths"]:
+                    _touch(path)
+
+        _fresh["thread"] = threading.Thread(target=touch_forever, daemon=True, name="token-cache-keep-fresh")
+        _fresh["thread"].start()
 
 
 def document_stream(sources: list[Source], text_column: str):
@@ -696,12 +729,16 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
         log.info("data %s: encoded %.1f MB into %s tokens (%s) in this node's token cache %s in %.1f s (%.1f MB/s)",
                  path, corpus_bytes / 1e6, f"{counts['length']:,}", tok.describe(), token_path, encode_s,
                  corpus_bytes / 1e6 / max(encode_s, 1e-9))
-    for used in (meta_path, token_path, counts_path, *([os.path.join(directory, tokenizer_name)] if tokenizer_name else [])):
-        _touch(used)  # in use: remove_unused leaves it alone
+    trained = _trained_bpe_name(key, how)
+    in_use = tuple(n for n in (os.path.basename(meta_path), name, os.path.basename(counts_path), tokenizer_name,
+                               trained) if n and os.path.exists(os.path.join(directory, n)))
+    for used in in_use:
+        _touch(os.path.join(directory, used))  # in use: remove_unused leaves it alone
     remove_unused(directory)
     return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
                      encode_s, directory=directory, text_sha256=meta["text_sha256"], tokenizer=tokenizer_name,
-                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint)
+                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint,
+                     in_use=in_use)
 
 
 def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
@@ -720,8 +757,7 @@ def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dic
         return tokenizer.from_dict(how.state, how.download)
     if how.kind == "gpt2":
         return tokenizer.load_gpt2(how.download)
-    trained = os.path.join(directory, f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}"
-                                      ".tokenizer.json")
+    trained = os.path.join(directory, _trained_bpe_name(key, how))
     if os.path.exists(trained):
         _touch(trained)
         return tokenizer.from_dict(_read_json(trained))
@@ -729,6 +765,13 @@ def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dic
     tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars)
     storage.write_local_atomically(trained, lambda out: out.write(json.dumps(tok.to_dict()).encode()))
     return tok
+
+
+def _trained_bpe_name(key: str, how: Tokenization) -> Optional[str]:
+    """The cached BPE trained for this corpus and these settings (None: no BPE is trained)."""
+    if how.kind != "bpe" or how.state is not None:
+        return None
+    return f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}.tokenizer.json"
 
 
 def load_tokenizer(token_file: TokenFile, cache_dir: Optional[str]) -> tokenizer.Tokenizer:
@@ -909,6 +952,8 @@ def load_corpus(cfg: config.DataConfig, dist: distributed.DistEnv, retry_minutes
         dist, once_per_node=True,
     )
     token_file = this_nodes_token_file(made[0] if made else None, dist)
+    if made:  # the process that made or reused this node's files keeps them from removal while the run lives
+        keep_fresh(tuple(os.path.join(made[0].directory, name) for name in made[0].in_use))
 
     def open_here() -> tuple[CharCorpus, tokenizer.Tokenizer]:  # each rank maps its node's file: it may fail on some ranks only
         tokens = open_tokens(token_file, cfg.cache_dir)
