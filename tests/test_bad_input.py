@@ -34,8 +34,12 @@ def test_missing_data_file_without_download(run_dir, tmp_path):
 
 @pytest.mark.cli
 def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
-    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt"],
+    """A server that refuses connections is retried for trainer.load_retry_minutes (a
+    moment's outage), then the same one clear line."""
+    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt",
+                                                                "trainer.load_retry_minutes=0.02"],
                         "downloading it from http://127.0.0.1:9/x.txt failed")
+    assert "retrying" in text and "Connection refused" in text
     assert "set data.path" in text
     assert not (tmp_path / "nope.txt").exists()
 

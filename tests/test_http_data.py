@@ -2,7 +2,9 @@
 is read, and its query's secrets reach no file, file name, log line or output."""
 import logging
 import os
+import socket
 import threading
+import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -134,3 +136,51 @@ def test_training_from_a_presigned_http_url_leaves_no_secret_anywhere(http_serve
     assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
     assert_no_secret(written, text)
     assert not any(Path(p).name.startswith("http") for p in written)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("via", ["data.path", "data.download_url"])
+def test_a_server_that_refuses_connections_for_a_moment_is_retried_and_a_404_is_not(tmp_path, small_corpus, caplog,
+                                                                                    via):
+    """A connection refused (fsspec's HTTP filesystem raises it as FileNotFoundError) is an
+    outage to wait out for trainer.load_retry_minutes, not a missing file; a 404 is one error
+    at once (issue 29, defect 8)."""
+    served, cache = tmp_path / "served", tmp_path / "cache"
+    served.mkdir()
+    (served / "corpus.txt").write_bytes(small_corpus.read_bytes())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there yet: connections are refused
+    base, up = f"http://127.0.0.1:{port}", []
+
+    def serve_after_an_outage():
+        time.sleep(1.5)
+        up.append(ThreadingHTTPServer(("127.0.0.1", port), partial(PresignedHandler, directory=str(served))))
+        up[0].serve_forever()
+
+    def prepare(name):
+        url = presigned(base, name)
+        if via == "data.path":
+            return token_cache.prepare(url, None, {}, str(cache), 0.5)
+        return token_cache.prepare(str(tmp_path / "local" / name), url, {}, str(cache), 0.5)
+
+    threading.Thread(target=serve_after_an_outage, daemon=True).start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            made = prepare("corpus.txt")
+        tokens = token_cache.open_tokens(made, str(cache))
+        assert Vocabulary(made.chars).decode(tokens) == small_corpus.read_text()
+        assert "retrying" in caplog.text and ("refused" in caplog.text or "Connect call failed" in caplog.text), caplog.text
+        assert_no_secret([], caplog.text)
+        caplog.clear()
+        started = time.monotonic()
+        with pytest.raises(token_cache.ConfigError, match="data file not found|HTTP Error 404"):
+            prepare("nope.txt")
+        assert "retrying" not in caplog.text and time.monotonic() - started < 10, caplog.text
+    finally:
+        deadline = time.monotonic() + 10
+        while not up and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if up:
+            up[0].shutdown()
+            up[0].server_close()

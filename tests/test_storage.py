@@ -262,6 +262,37 @@ def test_permanent_failures_are_not_retried(error):
     assert len(calls) == 1
 
 
+def _raised_from(outer: BaseException, cause: BaseException) -> BaseException:
+    """`outer` as fsspec's HTTP filesystem raises it: `raise FileNotFoundError(url) from exc`."""
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise outer from exc
+    except BaseException as raised:
+        return raised
+
+
+@pytest.mark.unit
+def test_an_outage_is_transient_whatever_wraps_it_and_an_answer_is_not():
+    """fsspec's HTTP filesystem turns a refused connection or a 503 into FileNotFoundError
+    (issue 29, defect 8): the cause decides; a 404 or 403 stays final, and so does an error
+    the project already turned into a ConfigError."""
+    aiohttp = pytest.importorskip("aiohttp")
+
+    def answer(status):
+        return aiohttp.ClientResponseError(None, (), status=status)
+
+    for cause in (ConnectionRefusedError(111, "Connection refused"), TimeoutError("read timed out"),
+                  aiohttp.ServerDisconnectedError(), answer(503), answer(429)):
+        wrapped = _raised_from(FileNotFoundError("http://h/x.txt"), cause)
+        assert storage.is_transient(wrapped) and storage.network_cause(wrapped) is cause, cause
+    for cause in (answer(404), answer(403), ValueError("bad url")):
+        assert not storage.is_transient(_raised_from(FileNotFoundError("http://h/x.txt"), cause)), cause
+    assert not storage.is_transient(answer(404)) and storage.is_transient(answer(502))
+    assert not storage.is_transient(_raised_from(ConfigError("cannot read"), ConnectionRefusedError()))
+
+
 # ---- the background saver --------------------------------------------------------------------
 class FlakyStore(SnapshotStore):
     """A local store whose saves fail while `down` is set."""

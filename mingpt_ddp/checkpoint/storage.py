@@ -181,9 +181,38 @@ def s3_put_if(fs, path: str, data: bytes, if_match: Optional[str] = None) -> Opt
 
 
 # ---- retries ----------------------------------------------------------------------------
+# Failures to reach a server, by class name (aiohttp's and fsspec's, without importing them).
+_NETWORK_NAMES = {"ClientConnectionError", "ClientPayloadError", "FSTimeoutError"}
+
+
+def network_cause(exc: BaseException) -> Optional[BaseException]:
+    """The failure to reach the server behind `exc`, if there is one: a connection error, a
+    timeout, throttling or a 5xx answer anywhere in its chain of causes. fsspec's HTTP
+    filesystem raises FileNotFoundError for any failed HEAD/GET, a refused connection
+    included (with the real error as its cause): that is not a missing file."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        status = getattr(exc, "status", None)
+        if (isinstance(exc, (ConnectionError, TimeoutError))
+                or any(cls.__name__ in _NETWORK_NAMES for cls in type(exc).__mro__)
+                or (isinstance(status, int) and (status >= 500 or status in (408, 429)))):
+            return exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return None
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: connection failures, timeouts, throttling, 5xx. Not worth it: a
-    missing bucket or file, access denied, missing credentials, bad options."""
+    """Worth retrying: connection failures, timeouts, throttling, 5xx, whatever exception
+    wraps them. Not worth it: a missing bucket or file, access denied, missing credentials,
+    bad options, and what the project has already turned into a user-facing error."""
+    if isinstance(exc, ConfigError):
+        return False
+    if network_cause(exc) is not None:
+        return True
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 400 <= status < 500:  # an answer (not found, refused), not an outage
+        return False
     if isinstance(exc, _PERMANENT):
         return False
     return not any(cls.__name__ in _PERMANENT_NAMES for cls in type(exc).__mro__)
@@ -216,7 +245,7 @@ def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Calla
             if not is_transient(exc) or elapsed + delay > 60 * minutes:
                 raise
             log.warning("%s failed (%s); retrying in %.1fs (%.0fs of %.1f min so far)",
-                        what, describe(exc), delay, elapsed, minutes)
+                        what, describe(network_cause(exc) or exc), delay, elapsed, minutes)
             sleep(delay)
     raise AssertionError("unreachable")
 

@@ -98,27 +98,34 @@ def local_copy_path(url: str, cache_dir: Optional[str]) -> str:
     return os.path.join(cache_root(cache_dir), f"{digest}-{name}")
 
 
-def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
-    """Fetch `url` into `dest` atomically: a reader sees the whole file or none. On failure
-    nothing is left behind, not even the directories made for it."""
+def download(url: str, dest: str, timeout_s: float = 30.0, retry_minutes: float = 0.0) -> None:
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none. A server
+    that cannot be reached is retried for `retry_minutes`; an HTTP 4xx answer is final. On
+    failure nothing is left behind, not even the directories made for it."""
     directory = os.path.dirname(os.path.abspath(dest))
     made = _missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
     log.info("downloading %s -> %s", storage.redact(url), dest)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
+    os.close(fd)
     done = False
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+
+    def fetch() -> None:
+        with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
+
+    try:
+        storage.retry_transient(fetch, f"downloading {storage.redact(url)}", retry_minutes)
         os.replace(tmp, dest)
         done = True
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"data file {dest} is missing and downloading it from {storage.redact(url)} failed "
-            f"({storage.describe(exc)}): put a UTF-8 text file at {dest}, or set data.path=<your text file>"
+            f"({storage.describe(storage.network_cause(exc) or exc)}): put a UTF-8 text file at {dest}, or set "
+            "data.path=<your text file>"
         ) from None
     finally:
         if not done:
@@ -205,6 +212,9 @@ def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float)
     """`url` is as shown (redacted)."""
     cache_dir = os.path.dirname(local)
     status = getattr(exc.__cause__, "status", None)  # fsspec's HTTP filesystem: the response behind the error
+    # A server that could not be reached: fsspec's HTTP filesystem raises even that as
+    # FileNotFoundError, with the real error as its cause (retried until here, not missing).
+    unreachable = storage.network_cause(exc)
     if local and isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
         return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
                 "set data.cache_dir to a writable local directory")
@@ -212,13 +222,13 @@ def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float)
         why = f"HTTP {status}" if status else storage.describe(exc)
         return (f"cannot read data file {url} ({why}): check the credentials (AWS_* environment, AWS_PROFILE, "
                 "instance role, data.storage_options; a presigned URL may have expired)")
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, FileNotFoundError) and unreachable is None:
         return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
     if isinstance(exc, IsADirectoryError):
         return f"data.path={url} is a directory: point it at a text file"
-    return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
-            f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
-            "credentials")
+    return (f"cannot read data file {url} ({storage.describe(unreachable or exc)}) after retrying for "
+            f"trainer.load_retry_minutes={retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or "
+            "data.storage_options), the network and the credentials")
 
 
 def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[Mapping[str, Any]] = None,
@@ -228,7 +238,7 @@ def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[M
     if is_remote(path):
         fetch_to_cache(path, storage_options, local_copy_path(path, cache_dir), retry_minutes)
     elif url and not os.path.exists(path):
-        download(url, path)
+        download(url, path, retry_minutes=retry_minutes)
 
 
 def _visible(name: str) -> bool:
@@ -298,7 +308,7 @@ def resolve_sources(path: str, download_url: Optional[str], storage_options: Opt
                     cache_dir: Optional[str], retry_minutes: float) -> list[Source]:
     """The corpus's files, readable from this node's disk (downloaded or fetched first)."""
     if not is_remote(path) and download_url and not os.path.exists(path) and not glob.has_magic(path):
-        download(download_url, path)
+        download(download_url, path, retry_minutes=retry_minutes)
     sources = []
     for url in list_files(path, storage_options, retry_minutes):
         if is_remote(url):
