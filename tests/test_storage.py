@@ -160,6 +160,24 @@ def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_r
 
 
 @pytest.mark.unit
+def test_a_wandb_that_cannot_turn_off_its_capture_of_the_command_line_is_refused():
+    """W&B records sys.argv as given (a presigned URL's signature included) unless its
+    settings turn that off; a wandb without those settings is one error naming the upgrade."""
+    from types import SimpleNamespace
+
+    from mingpt_ddp import loggers
+
+    old = SimpleNamespace(__version__="0.15.0", Settings=type("Settings", (), {"model_fields": {"console": None}}))
+    with pytest.raises(ConfigError, match=r"x_disable_meta.*would upload the command line.*pip install -U wandb"):
+        loggers._wandb_settings(old)
+    taken = {}
+    new = SimpleNamespace(Settings=type("Settings", (), {"model_fields": dict.fromkeys(loggers.WANDB_CAPTURE_OFF),
+                                                          "__init__": lambda self, **kw: taken.update(kw)}))
+    loggers._wandb_settings(new)
+    assert taken["x_disable_meta"] is True and taken["disable_git"] is True and taken["console"] == "off"
+
+
+@pytest.mark.unit
 def test_the_redacting_filter_never_raises():
     """A malformed log call in any library must not raise into the training loop."""
     handler = logging.StreamHandler()
