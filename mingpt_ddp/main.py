@@ -551,7 +551,15 @@ def run() -> None:
     global _ran_by_cli
     _ran_by_cli = True
     try:
-        main()
+        with config.hydra_errors_in_one_line(main, sys.argv[1:]):
+            main()
+    except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
+        if distributed.first_to_report(str(bad.error)):
+            print(f"error: {bad.error}", file=sys.stderr, flush=True)
+        else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
+            time.sleep(2)
+        distributed.shutdown(clean=False)
+        sys.exit(bad.error.exit_code)
     except _EndProcess as end:
         distributed.shutdown(clean=False)
         sys.exit(end.code)
