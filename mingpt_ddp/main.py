@@ -489,6 +489,9 @@ def main(cfg: DictConfig) -> Optional[float]:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
+        warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
+        if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
+            log.warning(warning)
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)

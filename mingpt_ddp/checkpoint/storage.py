@@ -329,6 +329,26 @@ def redact_url_secrets(text: str) -> str:
     return text
 
 
+def command_line_warning(argv: Iterable[str]) -> Optional[str]:
+    """The warning for overrides whose URLs carry credentials as typed (a presigned URL's
+    query): redacted wherever the run shows or stores them, but any local user reads a
+    process's command line (`ps`, /proc) while it runs, unlike its environment. None when
+    there are none (an ``${oc.env:VAR}`` puts only the reference on the command line)."""
+    keys = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        typed = re.sub(r"\$\{[^}]*\}", "", value)  # what an interpolation resolves to is not on the command line
+        if sep and redact_url_secrets(typed) != typed:
+            keys.append(key.lstrip("+~"))
+    if not keys:
+        return None
+    keys = list(dict.fromkeys(keys))
+    return (f"{', '.join(keys)} on the command line holds a URL's credentials (a presigned URL's query): they are "
+            "shown and stored only as <redacted>, but any user of this machine can read them with `ps` while the "
+            f"run lasts. Pass the URL from the environment instead: '{keys[0]}=${{oc.env:MY_URL}}' with MY_URL "
+            "exported (see docs/storage.md)")
+
+
 class Secrets:
     """What this process must never show or store. main() resolves it once, from the config
     and the environment (resolve_secrets); everything that shows or stores text goes
