@@ -10,7 +10,8 @@ in any key (``https://user:pw@host``) may only be given as an ``${oc.env:VAR}``
 interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved config before any
 of our code runs, so only the interpolation's text lands there. A literal one is refused
 (ConfigError) and rank 0 scrubs it from the ``.hydra/`` files Hydra already wrote.
-Credentials in URL query strings (presigned URLs) may be literal. Every resolved secret,
+Credentials in URL query strings (presigned URLs) may be literal (typed on the command
+line, they are in `ps` for every local user: the run warns, command_line_warning). Every resolved secret,
 and those in the URLs of the environment the run reads (MLFLOW_TRACKING_URI, ...), are
 redacted from log records, Hydra's files, the config stored in snapshots and sent to
 trackers, tracker run references and error messages.
