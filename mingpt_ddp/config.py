@@ -7,11 +7,13 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -239,22 +241,93 @@ def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
             cfg = hydra_compose("config", overrides=overrides)
         validate(cfg)  # reads every value: an interpolation that cannot resolve fails here
     except (HydraException, OmegaConfBaseException) as exc:  # an unknown key, group option, type or interpolation
-        raise ConfigError(f"{_without_secrets(str(exc), overrides)} (see docs/configuration.md for the keys "
-                          "and their types)") from None
+        raise override_error(exc, overrides) from None
     return cfg
 
 
-def _without_secrets(message: str, overrides: list[str]) -> str:
-    """Hydra's first two lines (what failed, and why), with the values of secret-named keys
-    and URL credentials masked: Hydra quotes the override it could not apply."""
+def override_error(exc: BaseException, overrides: list[str]) -> ConfigError:
+    """The one line for a config Hydra could not compose (an unknown key or preset, a wrong
+    type, an override's syntax): what failed, why (the OmegaConf error under it, its key)
+    and Hydra's hint, with the values of secret-named keys and URL credentials masked, since
+    Hydra quotes the override it could not apply."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    parts: list[str] = []
+    for line in str(exc).split("\n"):
+        if line.startswith("Config search path:"):
+            break
+        if line.startswith("\t") and parts:  # a preset's available options, one a line
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line.strip()
+        elif line.strip() and not line.strip().startswith(("reference_type=", "object_type=")):
+            parts.append(line.strip().rstrip("."))
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        parts.insert(1, str(cause).strip().splitlines()[0].rstrip("."))
+    return ConfigError(f"{_without_secrets('; '.join(parts), overrides)} (see docs/configuration.md for the keys "
+                       "and their types)")
+
+
+def _without_secrets(text: str, overrides: list[str]) -> str:
+    """`text` with the values of secret-named keys and URL credentials masked."""
     from mingpt_ddp.checkpoint import storage
 
-    text = "; ".join(line.strip() for line in message.splitlines()[:2] if line.strip())
     for override in overrides:
         key, _, value = override.partition("=")
         if value and storage.is_secret_name(key.rsplit(".", 1)[-1]):
-            text = text.replace(value, storage.REDACTED)
+            for shown in {value, value.strip().strip("'\"")} - {""}:
+                text = text.replace(shown, storage.REDACTED)
     return storage.redact(text)
+
+
+class BadOverrides(BaseException):
+    """A command line Hydra could not compose into a config, as the one ConfigError to
+    print. A BaseException: Hydra's own report (which prints the override back as given,
+    a presigned URL's signature included) catches only Exceptions."""
+
+    def __init__(self, error: ConfigError):
+        super().__init__(str(error))
+        self.error = error
+
+
+@contextlib.contextmanager
+def hydra_errors_in_one_line(task: Callable[..., Any], overrides: list[str]) -> Iterator[None]:
+    """While a @hydra.main app (`task`) runs: an error of Hydra's in composing the config
+    from the command line, a run's or any point's of a sweep, raises BadOverrides instead
+    of Hydra printing it (a multi-line message quoting the override as typed, exit 1).
+    Exceptions that passed through `task` (a bug in it) keep Hydra's report. Hydra offers no
+    hook for this: its reporting function (hydra._internal.utils.run_and_report) is wrapped
+    while the app runs; a Hydra without it keeps its own report."""
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    report = getattr(hydra_utils, "run_and_report", None)
+    task_code = inspect.unwrap(task).__code__
+    if report is None:
+        yield
+        return
+
+    def from_task(exc: BaseException) -> bool:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is task_code:
+                return True
+            tb = tb.tb_next
+        return False
+
+    def checked(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except (HydraException, OmegaConfBaseException) as exc:
+            if from_task(exc):
+                raise
+            raise BadOverrides(override_error(exc, overrides)) from None
+
+    hydra_utils.run_and_report = lambda func: report(lambda: checked(func))
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report
 
 
 def run_id() -> str:

@@ -489,6 +489,9 @@ def main(cfg: DictConfig) -> Optional[float]:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
+        warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
+        if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
+            log.warning(warning)
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -551,7 +554,15 @@ def run() -> None:
     global _ran_by_cli
     _ran_by_cli = True
     try:
-        main()
+        with config.hydra_errors_in_one_line(main, sys.argv[1:]):
+            main()
+    except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
+        if distributed.first_to_report(str(bad.error)):
+            print(f"error: {bad.error}", file=sys.stderr, flush=True)
+        else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
+            time.sleep(2)
+        distributed.shutdown(clean=False)
+        sys.exit(bad.error.exit_code)
     except _EndProcess as end:
         distributed.shutdown(clean=False)
         sys.exit(end.code)

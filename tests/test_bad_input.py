@@ -1,9 +1,10 @@
 """Bad input: one clear message naming the fix, non-zero exit, within seconds, no traceback."""
+import subprocess
 import time
 
 import pytest
 
-from conftest import TINY, load_snapshot, output, run_cli
+from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, run_cli
 
 
 def expect_error(args, pattern, code=2, cwd=None, nproc=0):
@@ -74,7 +75,42 @@ def test_non_utf8_data_file(run_dir, tmp_path):
     ("model=gpt-huge", "Could not find 'model/gpt-huge'"),
 ])
 def test_hydra_rejects_wrong_types_unknown_keys_and_presets(run_dir, small_corpus, override, message):
-    expect_error(base(run_dir, small_corpus) + [override], message, code=1)
+    text = expect_error(base(run_dir, small_corpus) + [override], message)
+    assert len(text.splitlines()) == 1 and text.startswith("error: "), text  # ConfigError's one line, exit 2
+
+
+SIGNATURE = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9a0b1c2d3e4f5a6b7c8d"
+PRESIGNED = f'"https://host.example.com/corpus.txt?X-Amz-Expires=3600&X-Amz-Signature={SIGNATURE}"'
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args, says", [
+    ([f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),  # Hydra's "did you mean +data.pth=..."
+    ([f"+data.path={PRESIGNED}"], "An item is already at 'data.path'"),
+    (["-m", "trainer.seed=1,2", f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),
+])
+def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, says):
+    """Hydra prints the override it could not apply back as typed, before any of our code
+    runs: main.py's is one masked line, ConfigError's exit 2, whether a run or a sweep."""
+    text = expect_error([*args, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={run_dir}"], says)
+    assert SIGNATURE not in text and len(text.splitlines()) == 1 and text.startswith("error: "), text
+    assert "X-Amz-Signature=<redacted>" in text or "X-Amz" not in text
+    assert not run_dir.exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", ["torchrun", "mingpt_ddp.torchrun"])
+def test_a_bad_override_under_torchrun_is_one_masked_line(run_dir, launcher):
+    args = [f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"]
+    if launcher == "torchrun":
+        proc = run_cli(args, nproc=2, timeout=120)
+    else:
+        proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", MAIN, *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    text = output(proc)
+    assert proc.returncode != 0 and SIGNATURE not in text, text
+    assert text.count("error: Could not override 'data.pth'; Key 'pth' not in 'DataConfig'") == 1, text
+    assert launcher != "torchrun" or "exitcode  : 2" in text, text  # the worker's: ConfigError's code
 
 
 @pytest.mark.cli

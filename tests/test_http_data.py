@@ -132,6 +132,9 @@ def test_training_from_a_presigned_http_url_leaves_no_secret_anywhere(http_serve
     text = output(proc)
     assert proc.returncode == 0, text
     assert "done: step 2" in text and "X-Amz-Signature=<redacted>" in text
+    # Typed on the command line, the URL is in `ps` for every local user while the run lasts:
+    assert text.count("data.path on the command line holds a URL's credentials") == 1, text
+    assert "'data.path=${oc.env:MY_URL}'" in text
     written = [*run_dir.rglob("*"), *cache.rglob("*")]
     assert any(p.name == "config.yaml" for p in written) and any(p.name.startswith("snapshot") for p in written)
     assert_no_secret(written, text)

@@ -160,6 +160,40 @@ def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_r
 
 
 @pytest.mark.unit
+def test_a_presigned_url_typed_on_the_command_line_is_warned_about_naming_oc_env():
+    """Redacted everywhere the run shows or stores it, a URL credential typed on the command
+    line is still in `ps` for every local user: the warning says so and how to pass it."""
+    signature = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9aSIG"
+    warning = storage.command_line_warning(
+        ["model=gpt-nano", f"data.path='https://h.example.com/c.txt?X-Amz-Expires=60&X-Amz-Signature={signature}'",
+         "+data.download_url=https://h.example.com/d.txt?token=tok123456"])
+    assert warning.startswith("data.path, data.download_url on the command line holds a URL's credentials"), warning
+    assert "any user of this machine can read them with `ps` while the run lasts" in warning
+    assert "'data.path=${oc.env:MY_URL}'" in warning and signature not in warning
+    for argv in (["data.path=${oc.env:MY_URL}"], ["data.path=https://h.example.com/c.txt?X-Amz-Signature=${oc.env:S}"],
+                 ["data.path=s3://bucket/c.txt", "trainer.max_steps=5"], []):
+        assert storage.command_line_warning(argv) is None, argv
+
+
+@pytest.mark.unit
+def test_a_wandb_that_cannot_turn_off_its_capture_of_the_command_line_is_refused():
+    """W&B records sys.argv as given (a presigned URL's signature included) unless its
+    settings turn that off; a wandb without those settings is one error naming the upgrade."""
+    from types import SimpleNamespace
+
+    from mingpt_ddp import loggers
+
+    old = SimpleNamespace(__version__="0.15.0", Settings=type("Settings", (), {"model_fields": {"console": None}}))
+    with pytest.raises(ConfigError, match=r"x_disable_meta.*would upload the command line.*pip install -U wandb"):
+        loggers._wandb_settings(old)
+    taken = {}
+    new = SimpleNamespace(Settings=type("Settings", (), {"model_fields": dict.fromkeys(loggers.WANDB_CAPTURE_OFF),
+                                                          "__init__": lambda self, **kw: taken.update(kw)}))
+    loggers._wandb_settings(new)
+    assert taken["x_disable_meta"] is True and taken["disable_git"] is True and taken["console"] == "off"
+
+
+@pytest.mark.unit
 def test_the_redacting_filter_never_raises():
     """A malformed log call in any library must not raise into the training loop."""
     handler = logging.StreamHandler()

@@ -10,7 +10,8 @@ in any key (``https://user:pw@host``) may only be given as an ``${oc.env:VAR}``
 interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved config before any
 of our code runs, so only the interpolation's text lands there. A literal one is refused
 (ConfigError) and rank 0 scrubs it from the ``.hydra/`` files Hydra already wrote.
-Credentials in URL query strings (presigned URLs) may be literal. Every resolved secret,
+Credentials in URL query strings (presigned URLs) may be literal (typed on the command
+line, they are in `ps` for every local user: the run warns, command_line_warning). Every resolved secret,
 and those in the URLs of the environment the run reads (MLFLOW_TRACKING_URI, ...), are
 redacted from log records, Hydra's files, the config stored in snapshots and sent to
 trackers, tracker run references and error messages.
@@ -356,6 +357,26 @@ def redact_url_secrets(text: str) -> str:
     if "=" in text:
         text = _URL_SECRET_PARAM.sub(lambda m: f"{m['name']}={REDACTED}" if m["value"] != REDACTED else m[0], text)
     return text
+
+
+def command_line_warning(argv: Iterable[str]) -> Optional[str]:
+    """The warning for overrides whose URLs carry credentials as typed (a presigned URL's
+    query): redacted wherever the run shows or stores them, but any local user reads a
+    process's command line (`ps`, /proc) while it runs, unlike its environment. None when
+    there are none (an ``${oc.env:VAR}`` puts only the reference on the command line)."""
+    keys = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        typed = re.sub(r"\$\{[^}]*\}", "", value)  # what an interpolation resolves to is not on the command line
+        if sep and redact_url_secrets(typed) != typed:
+            keys.append(key.lstrip("+~"))
+    if not keys:
+        return None
+    keys = list(dict.fromkeys(keys))
+    return (f"{', '.join(keys)} on the command line holds a URL's credentials (a presigned URL's query): they are "
+            "shown and stored only as <redacted>, but any user of this machine can read them with `ps` while the "
+            f"run lasts. Pass the URL from the environment instead: '{keys[0]}=${{oc.env:MY_URL}}' with MY_URL "
+            "exported (see docs/storage.md)")
 
 
 class Secrets:
