@@ -368,18 +368,19 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, saves_to.url
 
 
-def how_to_resume(cfg: DictConfig, run_dir: str) -> str:
-    """What to run to resume: the same command, plus the directory unless the command names
+def how_to_resume(cfg: DictConfig, run_dir: str, what: str = "") -> str:
+    """What to run to resume (`what`: the sweep), e.g. "run the same command to resume": the same command, plus the directory unless the command names
     it; else its run id decides (a timestamp, torchrun --standalone's random id, a new Slurm
     job's id) and the same command would start over. (A requeued Slurm job keeps its id and
     resumes by itself.)"""
     hydra_cfg = HydraConfig.get()
     key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
     named = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
+    resume = f"to resume {what}" if what else "to resume"
     if named or cfg.trainer.snapshot_path:
-        return "run the same command to resume"
+        return f"run the same command {resume}"
     where = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else run_dir
-    return f"run the same command with {shlex.quote(f'{key}={where}')} to resume"
+    return f"run the same command with {shlex.quote(f'{key}={where}')} {resume}"
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -538,7 +539,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     if stopped_by and in_sweep and int(os.environ.get("RANK", "0")) == 0:
         log.info("sweep stopped by %s after point %s: %s (finished points are skipped, a stopped one resumes "
                  "from its snapshot)", signal.Signals(stopped_by).name, HydraConfig.get().job.num,
-                 how_to_resume(cfg, run_dir).replace("to resume", "to resume the sweep"))
+                 how_to_resume(cfg, run_dir, "the sweep"))
     if stopped_by == signal.SIGINT or (stopped_by and in_sweep):
         if _ran_by_cli:  # a sweep of this process's own: through Hydra and torchrun's @record to run()
             raise _EndProcess(_stop_exit_code(stopped_by))
