@@ -239,8 +239,8 @@ def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkey
     """The node's exit code is the class the workers recorded in their torchelastic error files
     (errors.record, read back by torch's own ProcessFailure), not the first exit code: the
     first worker to exit makes the agent SIGTERM the others, or they lose their peers (3).
-    ConfigError (2) when any worker recorded one, else RunError (4). Without a record, 2 only
-    when every failed worker exited 2 (a missing package), else 1. A record is no traceback:
+    ConfigError (2) when any worker recorded one, else RunError (4). Without a record, 2 or 4
+    only when every failed worker exited with it, else 1. A record is no traceback:
     one summary line; a bug's error file keeps torchrun's own summary."""
     import signal as signals
 
@@ -264,6 +264,8 @@ def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkey
              ({0: failure(0, 4, RunError), 1: failure(1, 3)}, 4),
              ({0: failure(0, 3), 1: failure(1, kill, RunError)}, 4),
              ({0: failure(0, 2), 1: failure(1, 2)}, 2),  # exited 2 before main() could record
+             ({0: failure(0, 4), 1: failure(1, 4)}, 4),
+             ({0: failure(0, 2), 1: failure(1, 4)}, torchrun.RDZV_FAILED_EXIT),
              ({0: failure(0, 2), 1: failure(1, term)}, torchrun.RDZV_FAILED_EXIT),
              ({0: failure(0, 3), 1: failure(1, term)}, torchrun.RDZV_FAILED_EXIT),
              ({0: failure(0, kill)}, torchrun.RDZV_FAILED_EXIT)]

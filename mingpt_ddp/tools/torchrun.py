@@ -24,8 +24,8 @@ Takes exactly torchrun's arguments. Differences:
 - **The exit code says the error's class** (`exit_code_for`): 2 when a worker recorded a
   ConfigError, else 4 when one recorded a RunError (mingpt_ddp.errors.record, in its
   torchelastic error file), whichever worker exited first and whatever the others died of
-  when the agent stopped them; else 2 when every failed worker exited 2 without a record
-  (a missing package), else 1. Plain torchrun exits 1 for any failed worker.
+  when the agent stopped them; without a record, a class's code when every failed worker
+  exited with it; else 1. Plain torchrun exits 1 for any failed worker.
 - **Ctrl-C.** torchrun's agent forwards SIGINT to the workers (the trainer then stops every
   rank at an agreed step and saves a snapshot), waits for them, and re-raises the signal
   as a `SignalException`; here that ends in one line and exit status 128 + the signal; a
@@ -207,15 +207,14 @@ def exit_code_for(failures: dict[int, Any]) -> int:
     exit code: the first worker to exit makes the agent stop the others (SIGTERM: they die
     of it, exit 0 after a snapshot, or lose their peers, exit 3), whoever that was.
     ConfigError's code (2) when any worker recorded one, else RunError's (4) when any
-    recorded that, else 2 when every failed worker exited 2 (bad input found before main()
-    could record it: a missing package), else RDZV_FAILED_EXIT (1): a lost peer, a signal,
-    a bug."""
+    recorded that; without a record (an exit before main() could record, e.g. a tool's usage
+    error, or an error file that could not be written) a class's code when every failed
+    worker exited with it; else RDZV_FAILED_EXIT (1): a lost peer, a signal, a bug."""
     recorded = {errors.recorded_class(f.error_file_data) for f in failures.values()}
+    codes = {f.exitcode for f in failures.values()}
     for cls in errors.CLASSES:
-        if cls in recorded:
+        if cls in recorded or codes == {cls.exit_code}:
             return cls.exit_code
-    if all(f.exitcode == errors.ConfigError.exit_code for f in failures.values()):
-        return errors.ConfigError.exit_code
     return RDZV_FAILED_EXIT
 
 
