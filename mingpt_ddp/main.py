@@ -369,10 +369,10 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
 
 
 def how_to_resume(cfg: DictConfig, run_dir: str, what: str = "") -> str:
-    """What to run to resume (`what`: the sweep), e.g. "run the same command to resume": the same command, plus the directory unless the command names
-    it; else its run id decides (a timestamp, torchrun --standalone's random id, a new Slurm
-    job's id) and the same command would start over. (A requeued Slurm job keeps its id and
-    resumes by itself.)"""
+    """What to run to resume `what` (e.g. "the sweep"; by default the run): the same command,
+    plus the directory unless the command names it; else its run id decides (a timestamp,
+    torchrun --standalone's random id, a new Slurm job's id) and the same command would start
+    over. (A requeued Slurm job keeps its id and resumes by itself.)"""
     hydra_cfg = HydraConfig.get()
     key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
     named = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
