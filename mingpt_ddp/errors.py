@@ -1,9 +1,25 @@
-"""The exceptions a user is told about in one line (exit code 2), not with a traceback.
+"""The exceptions a user is told about in one line, not with a traceback.
 
 Raised identically on every rank (or decided on rank 0 and shared), caught once at the top
-of ``main``: the rank that hit it prints the message, every rank exits with code 2, and no
-traceback is shown. Bugs are neither and keep their traceback.
+of ``main``: the rank that hit it prints the message, every rank exits with its class's code
+(ConfigError 2, RunError 4) and no traceback is shown. Bugs are neither and keep their
+traceback. Before exiting, each process records its class (`record`), because the exit code
+that reaches a scheduler is often another process's: torchrun stops the other workers once
+one exits, srun --kill-on-bad-exit the other nodes (reported as 143).
 """
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+# Set by launch/train.sbatch: a directory where every process that ends with a ConfigError or
+# RunError creates a file named after the class, which the batch script reads after the step.
+STEP_ERRORS_ENV = "MINGPT_STEP_ERRORS"
+# The key of the torchelastic error file (TORCHELASTIC_ERROR_FILE) that names the class.
+CLASS_KEY = "mingpt_error_class"
 
 
 class UserFacingError(Exception):
@@ -13,15 +29,66 @@ class UserFacingError(Exception):
 
 
 class ConfigError(UserFacingError):
-    """Bad input the user can fix before running again: config, data, snapshot, paths."""
+    """Bad input the user can fix before running again: config, data, snapshot, paths.
+    Exit code 2: running the same command again would fail the same way (never requeued)."""
 
 
 class RunError(UserFacingError):
     """The run failed while it ran, through no fault of its input: replicas that diverged,
     snapshots that could not be saved for trainer.save_retry_minutes, a lost run lock, a rank
-    that waited too long for another. Run the same command to resume once the cause is gone."""
+    that waited too long for another. Run the same command to resume once the cause is gone.
+    Exit code 4: worth retrying (launch/train.sbatch requeues it)."""
+
+    exit_code = 4
+
+
+CLASSES = (ConfigError, RunError)  # in precedence: one ConfigError anywhere makes the job's outcome ConfigError
 
 
 def by_name(name: str) -> type[UserFacingError]:
     """The class of a UserFacingError from its name, to raise on every rank what one rank raised."""
-    return {cls.__name__: cls for cls in (ConfigError, RunError)}.get(name, ConfigError)
+    return {cls.__name__: cls for cls in CLASSES}.get(name, ConfigError)
+
+
+def class_of(error: UserFacingError | type[UserFacingError]) -> type[UserFacingError]:
+    """ConfigError or RunError: what `error` (or a subclass of either) counts as."""
+    kind = error if isinstance(error, type) else type(error)
+    return next((cls for cls in CLASSES if issubclass(kind, cls)), ConfigError)
+
+
+def record(error: UserFacingError | type[UserFacingError], message: str) -> None:
+    """Leave this process's error class where the launchers read it, before it exits with the
+    class's code; `message` is the (redacted) line the user was shown.
+
+    - torchelastic's error file of this worker (TORCHELASTIC_ERROR_FILE), in torch's format:
+      mingpt_ddp.tools.torchrun reads the class from it for every failed worker, those its
+      agent stopped included, and plain torchrun's failure summary shows the line.
+    - MINGPT_STEP_ERRORS/<class> (launch/train.sbatch sets it): the batch script's view of
+      the whole step, whichever node srun saw fail first.
+    Best effort: a file that cannot be written leaves the exit code as the only record."""
+    cls = class_of(error)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        data = {"message": {"message": f"{cls.__name__}: {message}", "extraInfo": {"timestamp": str(int(time.time()))}},
+                CLASS_KEY: cls.__name__}
+        try:  # whole or not at all: the agent parses it, and may SIGKILL this process at any moment
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(error_file) or ".", prefix=".error.")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, error_file)
+        except OSError:
+            pass
+    step_errors = os.environ.get(STEP_ERRORS_ENV)
+    if step_errors:
+        try:
+            os.makedirs(step_errors, exist_ok=True)
+            with open(os.path.join(step_errors, cls.__name__), "a"):
+                pass
+        except OSError:
+            pass
+
+
+def recorded_class(error_file_data: Any) -> Optional[type[UserFacingError]]:
+    """The class a worker recorded in its torchelastic error file (`record`), else None."""
+    name = error_file_data.get(CLASS_KEY) if isinstance(error_file_data, dict) else None
+    return next((cls for cls in CLASSES if cls.__name__ == name), None)

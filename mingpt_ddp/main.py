@@ -11,11 +11,17 @@ what happened                                          exit code
 trained to the end, or found the run finished earlier  0
 stopped by SIGTERM/SIGUSR1 after a snapshot            0 (Slurm requeues; torchrun does not restart)
 stopped by Ctrl-C after a snapshot                     130 alone, 0 as a torchrun worker
-bad input (ConfigError) or a failed run (RunError)     2, one ``error:`` line from the rank that hit it
-a sweep that went on past failed points                2 at its end, naming the points
+bad input (ConfigError)                                2, one ``error:`` line from the rank that hit it
+a failed run (RunError): worth retrying                4, the same
+a sweep that went on past failed points                2 at its end if one failed with a ConfigError,
+                                                       else 4 (a requeue resumes the failed ones)
 a peer or the network lost (a collective failed)       3, one line
 a bug                                                  its traceback (torchrun's summary names the rank)
 =====================================================  ==========================================
+
+A ConfigError or RunError is also recorded where the launchers read it (errors.record):
+mingpt_ddp.tools.torchrun exits with the class's code whichever worker exited first, and
+launch/train.sbatch requeues a RunError, never a ConfigError.
 """
 from __future__ import annotations
 
@@ -70,6 +76,7 @@ from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
+from mingpt_ddp import errors
 from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
@@ -361,18 +368,19 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
     return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, saves_to.url
 
 
-def how_to_resume(cfg: DictConfig, run_dir: str) -> str:
-    """What to run to resume: the same command, plus the directory unless the command names
-    it; else its run id decides (a timestamp, torchrun --standalone's random id, a new Slurm
-    job's id) and the same command would start over. (A requeued Slurm job keeps its id and
-    resumes by itself.)"""
+def how_to_resume(cfg: DictConfig, run_dir: str, what: str = "") -> str:
+    """What to run to resume `what` (e.g. "the sweep"; by default the run): the same command,
+    plus the directory unless the command names it; else its run id decides (a timestamp,
+    torchrun --standalone's random id, a new Slurm job's id) and the same command would start
+    over. (A requeued Slurm job keeps its id and resumes by itself.)"""
     hydra_cfg = HydraConfig.get()
     key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
     named = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
+    resume = f"to resume {what}" if what else "to resume"
     if named or cfg.trainer.snapshot_path:
-        return "run the same command to resume"
+        return f"run the same command {resume}"
     where = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else run_dir
-    return f"run the same command with {shlex.quote(f'{key}={where}')} to resume"
+    return f"run the same command with {shlex.quote(f'{key}={where}')} {resume}"
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -454,7 +462,7 @@ class _EndProcess(BaseException):
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
 _trained = False  # this point began training (else its .hydra/ files go back to the earlier run's)
 _points_run = 0  # points of this process's sweep so far
-_failed_points: list[str] = []  # those that failed (the same on every rank)
+_failed_points: dict[str, type[UserFacingError]] = {}  # those that failed, and how (the same on every rank)
 
 
 def _stop_exit_code(signum: int) -> int:
@@ -498,15 +506,19 @@ def main(cfg: DictConfig) -> Optional[float]:
         _check_ranks_resolved_the_same(cfg)
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
-    except UserFacingError as exc:  # bad input (ConfigError) or a failed run (RunError): one line, exit 2
+    except UserFacingError as exc:  # bad input (ConfigError, exit 2) or a failed run (RunError, 4): one line
+        error = storage.redact(str(exc))
+        ends_here = not in_sweep or cfg.sweep.stop_on_failure
+        if ends_here:  # first: once this rank's peers see it leave, the launcher may stop it at any moment
+            errors.record(exc, error)
         if not _trained:
             run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)
-        _report_error(storage.redact(str(exc)))
-        if not in_sweep or cfg.sweep.stop_on_failure:
+        _report_error(error)
+        if ends_here:
             sys.exit(exc.exit_code)
-        status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
+        status, val_loss, snapshot = "failed", None, None
         run_dir = HydraConfig.get().runtime.output_dir
-        _failed_points.append(str(HydraConfig.get().job.num))
+        _failed_points[str(HydraConfig.get().job.num)] = errors.class_of(exc)
     except Exception as exc:
         lost = distributed.communication_failure(exc)
         if lost is None:
@@ -530,7 +542,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     if stopped_by and in_sweep and int(os.environ.get("RANK", "0")) == 0:
         log.info("sweep stopped by %s after point %s: %s (finished points are skipped, a stopped one resumes "
                  "from its snapshot)", signal.Signals(stopped_by).name, HydraConfig.get().job.num,
-                 how_to_resume(cfg, run_dir).replace("to resume", "to resume the sweep"))
+                 how_to_resume(cfg, run_dir, "the sweep"))
     if stopped_by == signal.SIGINT or (stopped_by and in_sweep):
         if _ran_by_cli:  # a sweep of this process's own: through Hydra and torchrun's @record to run()
             raise _EndProcess(_stop_exit_code(stopped_by))
@@ -572,11 +584,16 @@ def run() -> None:
     # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)
     if _failed_points:  # the sweep went on past them; its exit code still says it is not all done
+        # A ConfigError would fail again; points that only failed with RunErrors are worth a
+        # retry (a requeued sweep skips its finished points and runs the failed ones again).
+        failed_with = ConfigError if ConfigError in _failed_points.values() else errors.RunError
+        message = (f"{len(_failed_points)} of {_points_run} sweep points failed (point {', '.join(_failed_points)}"
+                   f"{'' if failed_with is ConfigError else ', all with a RunError'}): their errors are in the "
+                   "sweep's summary.md")
+        errors.record(failed_with, message)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {len(_failed_points)} of {_points_run} sweep points failed "
-                  f"(point {', '.join(_failed_points)}): their errors are in the sweep's summary.md",
-                  file=sys.stderr, flush=True)
-        sys.exit(UserFacingError.exit_code)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(failed_with.exit_code)
 
 
 if __name__ == "__main__":

@@ -564,8 +564,9 @@ class Trainer:
         if lock_lost:
             lost = self.run_lock.lost if self.run_lock is not None else None
             raise RunError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
-        if save_failed:
-            raise RunError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
+        if save_failed:  # the failing rank's words on every rank: one `error:` line, not also "failed on rank 0"
+            said = [e for e in distributed.all_gather_object(self.saver.error if self.saver else None) if e]
+            raise RunError(said[0] if said else "saving snapshots failed")
         return int(stop_signal), save_due > 0
 
     def _wait_for_saves(self) -> None:

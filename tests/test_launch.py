@@ -227,7 +227,10 @@ if [ "$1" = --help ]; then
   exit 0
 fi
 printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
-env | grep -E '^TORCH_(FR|NCCL)_' | sort >> "$FAKE_SRUN_LOG.env"
+env | grep -E '^(TORCH_(FR|NCCL)_|MINGPT_STEP_ERRORS=)' | sort >> "$FAKE_SRUN_LOG.env"
+for error_class in ${FAKE_STEP_ERRORS:-}; do  # what a worker that ended with it records (errors.record)
+  "$FAKE_PYTHON" -c "import sys; from mingpt_ddp import errors; errors.record(errors.by_name(sys.argv[1]), 'x')" "$error_class"
+done
 exit "${FAKE_SRUN_EXIT:-0}"
 '''
 
@@ -372,6 +375,44 @@ def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
                              SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
                              SLURM_NODEID="0", SLURMD_NODENAME="n1")
     assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
+
+
+@pytest.mark.cli
+def test_sbatch_requeues_a_run_error_and_never_a_config_error(tmp_path):
+    """The class the step's workers recorded (<run dir>/.step_errors, errors.record) decides,
+    not srun's exit code, which is the highest of its nodes' (143 for the nodes
+    --kill-on-bad-exit stopped, whichever failed first): a RunError is requeued whenever it
+    came, a ConfigError never, even after a long step, nor when another node had a RunError.
+    Without a record srun's code speaks: 4 is a RunError. A record left by an earlier step of
+    the job does not count."""
+    log = tmp_path / "scontrol.log"
+    run_dir = tmp_path / "run"
+
+    def run(**env: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+        log.unlink(missing_ok=True)
+        proc, _, step_env = fake_sbatch_run(tmp_path, "model=gpt-nano", f"hydra.run.dir={run_dir}",
+                                            scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log), FAKE_GRES="(null)",
+                                            FAKE_PYTHON=sys.executable, **env)
+        return proc, log.read_text().splitlines() if log.exists() else [], step_env
+
+    proc, calls, step_env = run(FAKE_SRUN_EXIT="143", FAKE_STEP_ERRORS="RunError")  # 0 s: within the 300 s
+    assert proc.returncode == 0 and "requeue 777" in calls, output(proc)
+    assert "training step failed with a RunError after 0s (step exit code 143): requeueing job 777" in output(proc)
+    assert f"MINGPT_STEP_ERRORS={run_dir}/.step_errors" in step_env, step_env
+    proc, calls, _ = run(FAKE_SRUN_EXIT="4")
+    assert proc.returncode == 0 and "requeue 777" in calls and "with a RunError" in output(proc), output(proc)
+
+    for settings in ({"FAKE_SRUN_EXIT": "143", "FAKE_STEP_ERRORS": "ConfigError"},
+                     {"FAKE_SRUN_EXIT": "143", "FAKE_STEP_ERRORS": "RunError ConfigError"},
+                     {"FAKE_SRUN_EXIT": "4", "FAKE_STEP_ERRORS": "ConfigError"}):
+        proc, calls, _ = run(REQUEUE_MIN_STEP_SECONDS="0", **settings)
+        assert proc.returncode == int(settings["FAKE_SRUN_EXIT"]) and "requeue 777" not in calls, (settings, output(proc))
+        assert "refused its input (a ConfigError" in output(proc), (settings, output(proc))
+
+    (run_dir / ".step_errors").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".step_errors" / "ConfigError").touch()  # an earlier step's
+    proc, calls, _ = run(FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")
+    assert proc.returncode == 0 and "requeue 777" in calls and "training step failed after 0s" in output(proc)
 
 
 @pytest.mark.cli

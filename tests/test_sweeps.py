@@ -140,7 +140,7 @@ def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, 
     result = yaml.safe_load((sweep / "0" / "result.json").read_text())
     assert result["status"].startswith("stopped by SIG"), result
     assert (sweep / "0" / "snapshot.pt").is_file()
-    assert "sweep stopped by SIG" in text, text
+    assert "sweep stopped by SIG" in text and "run the same command to resume the sweep" in text, text
     if how.startswith("SIGUSR1"):
         assert "Traceback" not in text, text
 

@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, record
 
 
 def check_writable_dir(path: str, key: str) -> None:
@@ -105,9 +105,11 @@ def _rank() -> int:
 
 
 def _refuse(exc: ConfigError) -> None:
-    """Exit as main() does for a ConfigError: one line from rank 0, code 2."""
+    """Exit as main() does for a ConfigError: recorded for the launchers, one line from rank 0, code 2."""
+    message = storage.redact(str(exc))
+    record(exc, message)
     if _rank() == 0:
-        print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+        print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(ConfigError.exit_code)
 
 
