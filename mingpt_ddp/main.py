@@ -569,6 +569,7 @@ def run() -> None:
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
             main()
     except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
+        errors.record(bad.error, str(bad.error))  # before the wait below: the agent may stop this worker
         if distributed.first_to_report(str(bad.error)):
             print(f"error: {bad.error}", file=sys.stderr, flush=True)
         else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
