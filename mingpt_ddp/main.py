@@ -98,6 +98,23 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
                           "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
 
 
+def check_not_failed(snapshot: dict[str, Any], where: str, cfg: config.TrainerConfig, dist: DistEnv) -> None:
+    """A snapshot marked as failing the end-of-run check (the ranks' parameters differed) is
+    neither a finished run nor one to resume, unless trainer.resume_failed_check says so."""
+    failed = snapshot.get("failed_check")
+    if not failed:
+        return
+    if not cfg.resume_failed_check:
+        raise ConfigError(
+            f"snapshot {where} failed the end-of-run check ({failed.get('message')}), so it is not a finished run "
+            "and its weights (rank 0's) may be wrong: compare the nodes' environments, then set "
+            "trainer.resume_failed_check=true to resume from it anyway, or start a new run (new hydra.run.dir / "
+            "trainer.snapshot_path)")
+    if dist.is_main:
+        log.warning("snapshot %s failed the end-of-run check (%s): taken as it is (trainer.resume_failed_check=true)",
+                    where, failed.get("message"))
+
+
 
 class AgreedSnapshot(NamedTuple):
     """The snapshot every rank resumes from: its content (a sharded store's: the metadata,
@@ -246,6 +263,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
         optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
         on_every_rank(lambda: check_compatible(found.snapshot, found.where, data.model_cfg, data.corpus.vocab,
                                                optimizer), dist)
+        on_every_rank(lambda: check_not_failed(found.snapshot, found.where, cfg.trainer, dist), dist)
         finished = finished_earlier(cfg, dist, found)
         if finished is not None:  # recognised before building anything: sweeps skip it fast
             return "finished earlier", finished.last_val_loss, saves_to.url
