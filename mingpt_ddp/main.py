@@ -365,8 +365,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
-        global _trained
-        _trained = True  # from here the run's .hydra/ files describe what trained
+        run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -470,7 +469,6 @@ class _EndProcess(BaseException):
 
 
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
-_trained = False  # this point began training (else its .hydra/ files go back to the earlier run's)
 _points_run = 0  # points of this process's sweep so far
 _failed_points: list[str] = []  # those that failed (the same on every rank)
 
@@ -498,10 +496,9 @@ def _report_error(message: str) -> None:
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
-    global _points_run, _trained
+    global _points_run
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
-    _trained = False
     started = time.time()
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
@@ -514,8 +511,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         status, val_loss, snapshot = train(cfg, dist, run_dir)
         error = ""
     except UserFacingError as exc:  # bad input (ConfigError) or a failed run (RunError): one line, exit 2
-        if not _trained:
-            run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)
+        run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)  # unless it began training
         _report_error(storage.redact(str(exc)))
         if not in_sweep or cfg.sweep.stop_on_failure:
             sys.exit(exc.exit_code)
