@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import json
 import logging
 import os
 import shlex
@@ -75,7 +74,8 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import RunLock
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
-from mingpt_ddp.tools.sweep import RESULT_FILE, write_result
+from mingpt_ddp.tools.runs import read_result
+from mingpt_ddp.tools.sweep import write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -529,7 +529,9 @@ def main(cfg: DictConfig) -> Optional[float]:
         distributed.release_cached_memory()
     if status == "finished earlier":
         run_dir_check.restore_hydra_files(run_dir)
-    already_recorded = status == "finished earlier" and _recorded_as_finished(run_dir)
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
@@ -549,16 +551,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-def _recorded_as_finished(run_dir: str) -> bool:
-    """The point's result file records a finished run (its wall time is the one to keep); a
-    refused or failed attempt's record is replaced."""
-    try:
-        with open(os.path.join(run_dir, RESULT_FILE)) as f:
-            return json.load(f).get("status") in ("completed", "finished earlier")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
