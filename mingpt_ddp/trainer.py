@@ -339,11 +339,11 @@ class Trainer:
             f"{self.micro_batch} x {self.accum_steps}"
         )
 
-    def save(self, again: bool = False) -> None:
+    def save(self) -> None:
         """State is copied to CPU and handed to the background writer (rank 0's; every
         rank's under FSDP). Refused on every rank once rank 0 has lost the run lock: another
-        run now writes these snapshots. `again`: also when this step is saved already."""
-        if self._last_save_step == self.state.step and not again:
+        run now writes these snapshots."""
+        if self._last_save_step == self.state.step:
             return
         lost = distributed.wait_for_main(lambda: self.run_lock.lost if self.run_lock is not None else None,
                                          "checking the run lock")
@@ -472,9 +472,12 @@ class Trainer:
                 raise
             if self.stopped_by:
                 self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
+                if self.finished:  # stopped at its last step: a finished run's snapshot is checked first
+                    self.failed_check = self._check_ranks_agree()
                 stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
                 self.save()
                 self._wait_for_saves()
+                self._raise_if_check_failed()
                 self.metrics.note(
                     f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
                     f"snapshot: {self.resume_hint}"
@@ -484,18 +487,14 @@ class Trainer:
                 self.evaluate(final=True)
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
                               f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
-            # Checked before the last save, so that a run failing it never leaves a snapshot that
-            # looks finished: the state is kept (to diagnose, or to resume on purpose), marked.
+            # Checked before the last save (the loop leaves the last step's to this one), so that a
+            # run failing it never leaves a snapshot that looks finished: the state is kept (to
+            # diagnose, or to resume on purpose), marked.
             self.failed_check = self._check_ranks_agree()
             stop_request.saving_last_snapshot(self._newest_saved, stopping=False)
-            self.save(again=self.failed_check is not None)  # the mark, also over this step's earlier save
+            self.save()
             self._wait_for_saves()
-        if self.failed_check is not None:
-            raise RunError(  # every rank raises it: the run ends with a non-zero exit, not a log line
-                f"{self.failed_check['message']}: the last snapshot holds rank 0's weights, marked as failing this "
-                "check (a new start refuses it): compare the nodes' environments, then resume it with "
-                "trainer.resume_failed_check=true or start a new run"
-            )
+        self._raise_if_check_failed()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"
@@ -535,6 +534,8 @@ class Trainer:
                     if stop_signal:
                         return signal.Signals(stop_signal).name
                     save_now = save_now or save_due
+                # The last step's snapshot is fit()'s, after the final evaluation and the check.
+                save_now = save_now and not self.finished
                 if self.state.step % self.cfg.eval_every == 0 or save_now:
                     timer.pause()
                     if self.state.step % self.cfg.eval_every == 0:
@@ -549,7 +550,7 @@ class Trainer:
             timer.pause()
             if self._evaluated_at != self.state.step:
                 self.evaluate()
-            if self.state.epoch % self.cfg.save_every == 0:
+            if self.state.epoch % self.cfg.save_every == 0 and not self.finished:
                 self.save()
             timer.resume()
         return None
@@ -630,6 +631,15 @@ class Trainer:
         if includes_compile:
             record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
         self.metrics.write(record)
+
+    def _raise_if_check_failed(self) -> None:
+        """After the snapshot that records it: every rank raises, the run ends with a non-zero exit."""
+        if self.failed_check is not None:
+            raise RunError(
+                f"{self.failed_check['message']}: the last snapshot holds rank 0's weights, marked as failing this "
+                "check (a new start refuses it): compare the nodes' environments, then resume it with "
+                "trainer.resume_failed_check=true or start a new run"
+            )
 
     def _check_ranks_agree(self) -> Optional[dict[str, str]]:
         """DDP keeps replicas identical (FSDP the shards' gathered model): prove it at the end.
