@@ -104,15 +104,16 @@ def check_not_failed(snapshot: dict[str, Any], where: str, cfg: config.TrainerCo
     failed = snapshot.get("failed_check")
     if not failed:
         return
+    message = failed.get("message") if isinstance(failed, dict) else failed
     if not cfg.resume_failed_check:
         raise ConfigError(
-            f"snapshot {where} failed the end-of-run check ({failed.get('message')}), so it is not a finished run "
+            f"snapshot {where} failed the end-of-run check ({message}), so it is not a finished run "
             "and its weights (rank 0's) may be wrong: compare the nodes' environments, then set "
             "trainer.resume_failed_check=true to resume from it anyway, or start a new run (new hydra.run.dir / "
             "trainer.snapshot_path)")
     if dist.is_main:
         log.warning("snapshot %s failed the end-of-run check (%s): taken as it is (trainer.resume_failed_check=true)",
-                    where, failed.get("message"))
+                    where, message)
 
 
 
