@@ -147,6 +147,9 @@ class TrainerConfig:
     snapshot_every_minutes: Optional[float] = None
     keep_last: int = 2
     snapshot_path: Optional[str] = None
+    # Resume from a snapshot that failed the end-of-run check (the ranks' parameters
+    # differed): refused unless set, as its weights are rank 0's and may be wrong.
+    resume_failed_check: bool = False
     seed: int = 1337
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
     # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),

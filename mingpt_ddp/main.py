@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import json
 import logging
 import os
 import shlex
@@ -82,7 +81,8 @@ from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import RunLock
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
-from mingpt_ddp.tools.sweep import RESULT_FILE, write_result
+from mingpt_ddp.tools.runs import read_result
+from mingpt_ddp.tools.sweep import write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -103,6 +103,24 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
         now = f"data.tokenizer={kind}" + (f" data.vocab_size={cfg.vocab_size}" if kind == "bpe" else "")
         raise ConfigError(f"snapshot {where} was trained with {was} but the config says {now}: set {was} to resume "
                           "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
+
+
+def check_not_failed(snapshot: dict[str, Any], where: str, cfg: config.TrainerConfig, dist: DistEnv) -> None:
+    """A snapshot marked as failing the end-of-run check (the ranks' parameters differed) is
+    neither a finished run nor one to resume, unless trainer.resume_failed_check says so."""
+    failed = snapshot.get("failed_check")
+    if not failed:
+        return
+    message = failed.get("message") if isinstance(failed, dict) else failed
+    if not cfg.resume_failed_check:
+        raise ConfigError(
+            f"snapshot {where} failed the end-of-run check ({message}), so it is not a finished run "
+            "and its weights (rank 0's) may be wrong: compare the nodes' environments, then set "
+            "trainer.resume_failed_check=true to resume from it anyway, or start a new run (new hydra.run.dir / "
+            "trainer.snapshot_path)")
+    if dist.is_main:
+        log.warning("snapshot %s failed the end-of-run check (%s): taken as it is (trainer.resume_failed_check=true)",
+                    where, message)
 
 
 
@@ -253,6 +271,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
         optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
         on_every_rank(lambda: check_compatible(found.snapshot, found.where, data.model_cfg, data.corpus.vocab,
                                                optimizer), dist)
+        on_every_rank(lambda: check_not_failed(found.snapshot, found.where, cfg.trainer, dist), dist)
         finished = finished_earlier(cfg, dist, found)
         if finished is not None:  # recognised before building anything: sweeps skip it fast
             return "finished earlier", finished.last_val_loss, saves_to.url
@@ -354,8 +373,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
-        global _trained
-        _trained = True  # from here the run's .hydra/ files describe what trained
+        run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -460,7 +478,6 @@ class _EndProcess(BaseException):
 
 
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
-_trained = False  # this point began training (else its .hydra/ files go back to the earlier run's)
 _points_run = 0  # points of this process's sweep so far
 _failed_points: dict[str, type[UserFacingError]] = {}  # those that failed, and how (the same on every rank)
 
@@ -488,10 +505,9 @@ def _report_error(message: str) -> None:
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
-    global _points_run, _trained
+    global _points_run
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
-    _trained = False
     started = time.time()
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
@@ -511,8 +527,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         ends_here = not in_sweep or cfg.sweep.stop_on_failure
         if ends_here:  # first: once this rank's peers see it leave, the launcher may stop it at any moment
             errors.record(exc, error)
-        if not _trained:
-            run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)
+        run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)  # unless it began training
         _report_error(error)
         if ends_here:
             sys.exit(exc.exit_code)
@@ -530,7 +545,9 @@ def main(cfg: DictConfig) -> Optional[float]:
         distributed.release_cached_memory()
     if status == "finished earlier":
         run_dir_check.restore_hydra_files(run_dir)
-    already_recorded = status == "finished earlier" and _recorded_as_finished(run_dir)
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
                                "wall_s": round(time.time() - started, 2), "error": error})
@@ -550,16 +567,9 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-def _recorded_as_finished(run_dir: str) -> bool:
-    """The point's result file records a finished run (its wall time is the one to keep); a
-    refused or failed attempt's record is replaced."""
-    try:
-        with open(os.path.join(run_dir, RESULT_FILE)) as f:
-            return json.load(f).get("status") in ("completed", "finished earlier")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""

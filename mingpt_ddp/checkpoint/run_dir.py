@@ -92,8 +92,17 @@ def remember_hydra_files(run_dirs: list[str], output_subdir: Optional[str]) -> N
                 pass
 
 
+def keep_hydra_files(run_dir: str) -> None:
+    """The run in `run_dir` has begun training: its `.hydra/` files describe it from now on,
+    so the earlier run's are forgotten (restore_hydra_files then leaves them)."""
+    root = os.path.abspath(run_dir)
+    for path in [p for p in _earlier_hydra_files if os.path.dirname(os.path.dirname(p)) == root]:
+        del _earlier_hydra_files[path]
+
+
 def restore_hydra_files(run_dir: str) -> None:
-    """Put back the `.hydra/` files remembered for `run_dir` (nothing if it had none)."""
+    """Put back the `.hydra/` files remembered for `run_dir` (nothing if it had none, or
+    once keep_hydra_files was called for it)."""
     root = os.path.abspath(run_dir)
     for path, blob in _earlier_hydra_files.items():
         if os.path.dirname(os.path.dirname(path)) == root:
