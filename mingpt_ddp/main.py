@@ -265,7 +265,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
             log.info("snapshot %s: %s", found.where, corpus.note)
         finished = finished_earlier(cfg, dist, found, corpus.changed)
         if finished is not None:  # recognised before building anything: sweeps skip it fast
-            return Outcome("finished earlier", finished.last_val_loss, saves_to.url, data.identity)
+            return Outcome("finished earlier", finished.last_val_loss, saves_to.url, found.snapshot.get("corpus"))
         resume = on_every_rank(lambda: check_same_run(cfg, found, corpus), dist)
         if data.vocab != data.corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
             corpus_now, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab)
@@ -274,10 +274,12 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
 
 
 class ResumeCheck(NamedTuple):
-    """What a resume logs about the run it continues, and whether the epoch in progress starts
-    over (its saved position indexes windows of another corpus or another seed's order)."""
+    """What a resume logs about the run it continues, whether the epoch in progress starts
+    over (its saved position indexes windows of another corpus or another seed's order), and
+    whether the corpus is a new one (its validation losses are not the snapshot's)."""
     notes: list[str]
     restart_epoch: bool
+    new_corpus: bool = False
 
 
 def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identity.Comparison) -> ResumeCheck:
@@ -295,7 +297,7 @@ def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identi
                 "settings it was trained on, set data.continue_on_new_corpus=true to train on this corpus from the "
                 "start of the epoch in progress, or start a new run (another hydra.run.dir / trainer.snapshot_path)")
         notes.append(f"continuing on a new corpus (data.continue_on_new_corpus=true): {corpus.changed}; the epoch in "
-                     f"progress starts again from its first window")
+                     "progress starts again from its first window, and the best validation loss afresh")
         restart = True
     changed = settings_changed(found.snapshot.get("config"), cfg)
     if changed:
@@ -310,7 +312,7 @@ def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identi
                      f"{'; '.join(changed)}" + ("; the epoch in progress starts again from its first window (another "
                                                 "seed orders its windows otherwise)" if reseeded and not restart else ""))
         restart = restart or reseeded
-    return ResumeCheck(notes, restart)
+    return ResumeCheck(notes, restart, new_corpus=bool(corpus.changed))
 
 
 def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) -> RunData:
@@ -413,7 +415,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             resumed_from = ddp_files or saves_to
             trainer.load_state_dict(resumed_from.complete(found.snapshot, found.where, trainer.strategy,
                                                           trainer.optimizer),
-                                    restart_epoch=resume is not None and resume.restart_epoch)
+                                    restart_epoch=resume is not None and resume.restart_epoch,
+                                    new_validation=resume is not None and resume.new_corpus)
             metrics.note(f"resumed from {found.where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
                          + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
