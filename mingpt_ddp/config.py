@@ -97,6 +97,9 @@ class DataConfig:
     tokenizer_train_chars: int = 100_000_000
     # The text column of .parquet files, the text field of .jsonl(.gz) files.
     text_column: str = "text"
+    # A resume on another corpus than its snapshot's (other text, another val_fraction) is
+    # refused; true goes on with this one, the epoch in progress from its first window.
+    continue_on_new_corpus: bool = False
 
 
 @dataclass
@@ -151,6 +154,10 @@ class TrainerConfig:
     # differed): refused unless set, as its weights are rank 0's and may be wrong.
     resume_failed_check: bool = False
     seed: int = 1337
+    # A resume under other values of the settings that define the result (model.*,
+    # optimizer.*, batch_size, grad_accum_steps, seed, grad_clip) is refused; true goes on
+    # under these values, logged (after a seed change the epoch in progress starts over).
+    continue_with_new_settings: bool = False
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
     # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),
     # a fixed cuBLAS workspace, cuDNN and inductor without autotuning (determinism.py). Slower.

@@ -280,13 +280,22 @@ class Trainer:
             **self.snapshot_metadata,
         }
 
-    def load_state_dict(self, snapshot: dict[str, Any]) -> None:
+    def load_state_dict(self, snapshot: dict[str, Any], restart_epoch: bool = False,
+                        new_validation: bool = False) -> None:
+        """`restart_epoch`: the saved position in the epoch indexes windows of another corpus or
+        another seed's order (a resume asked to go on after either changed): the epoch in
+        progress starts again from its first window; step, schedule and RNG carry on.
+        `new_validation`: the validation split is another text's, so its losses are forgotten."""
         configured = self._optimizer_settings()
         self.strategy.load_state_dicts(self.optimizer, snapshot)
         self._keep_configured_settings(configured)
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
+        if restart_epoch:
+            self.state.epoch_position = 0
+        if new_validation:
+            self.state.best_val_loss, self.state.last_val_loss = float("inf"), None
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         self._resume_global_batch(snapshot)
         rng_per_rank = snapshot["rng"]

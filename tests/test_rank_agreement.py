@@ -194,8 +194,9 @@ def test_global_batch_and_plan_survive_2_1_1_2_workers(tmp_path, small_corpus):
     assert len(set(plans)) == 1 and plans[0][0] == "16", plans
     assert "world size 1 as when the run's global batch was set: global batch 16 kept" in logs[2], logs[2]
     assert load_snapshot(run_dir / "snapshot.pt")["global_batch"] == 16
-    # An explicit override changes it, and says so.
-    text = stopped_run([*common, "trainer.batch_size=4"], 2, tmp_path / "e.log", run_dir)
+    # An explicit override, with the setting that lets a resume change it, changes it, and says so.
+    text = stopped_run([*common, "trainer.batch_size=4", "trainer.continue_with_new_settings=true"], 2,
+                       tmp_path / "e.log", run_dir)
     assert "global batch changed from 16 to 8" in text and plan_of(text)[0] == "8", text
 
 

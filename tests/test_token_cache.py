@@ -576,3 +576,48 @@ def test_the_cache_lock_left_by_a_dead_process_is_held_by_one_waiter_at_a_time(t
         inside += 1 if kind == "in" else -1
         most = max(most, inside)
     assert most == 1
+
+
+# ---- the corpus identity a snapshot records (corpus/identity.py) ----------------------------
+def corpus_identity_of(path, cache, data):
+    from mingpt_ddp.corpus import identity
+
+    corpus, token_file = load(path, cache, val_fraction=data["val_fraction"])
+    return identity.identity(token_file.text_sha256, len(corpus.train_tokens), len(corpus.val_tokens), data)
+
+
+@pytest.mark.unit
+def test_a_corpus_is_its_text_and_split_not_its_path(tmp_path):
+    """The text's hash (the one the cache already takes) decides: the same text elsewhere is
+    the same corpus, noted; another text or another val_fraction is another one, in words
+    that name it; a snapshot without an identity compares what its config recorded."""
+    from mingpt_ddp.corpus.identity import compare
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.txt").write_text("to be or not to be\n" * 200)
+    shutil.copytree(tmp_path / "a", tmp_path / "moved")
+    data = {"path": str(tmp_path / "a"), "text_column": "text", "val_fraction": 0.1}
+    then = corpus_identity_of(tmp_path / "a", tmp_path / "cache", data)
+    assert then["train_tokens"] + then["val_tokens"] == 3800 and then["val_tokens"] == 380
+
+    moved = corpus_identity_of(tmp_path / "moved", tmp_path / "cache", {**data, "path": str(tmp_path / "moved")})
+    same = compare(then, data, moved)
+    assert same.changed is None and f"data.path {tmp_path / 'a'} then, {tmp_path / 'moved'} now" in same.note
+    assert compare(then, data, then) == (None, None)
+
+    split = compare(then, data, corpus_identity_of(tmp_path / "a", tmp_path / "cache", {**data, "val_fraction": 0.2}))
+    assert split.changed == "data.val_fraction 0.1 then, 0.2 now; training/validation tokens 3,420/380 then, 3,040/760 now"
+
+    (tmp_path / "a" / "2.txt").write_text("a new shard\n")
+    grown = compare(then, data, corpus_identity_of(tmp_path / "a", tmp_path / "cache", data))
+    assert grown.changed.startswith(f"the text at data.path changed (sha256 {then['text_sha256'][:12]}.. then, ")
+    assert grown.changed.endswith("; 3,800 tokens then, 3,813 now)")
+
+    old = compare(None, data, then)  # a snapshot from before identities: accepted, with a note
+    assert old.changed is None and "predates recorded corpus identities" in old.note
+    old_split = compare(None, data, {**then, "val_fraction": 0.2})
+    assert old_split.changed.startswith("data.val_fraction 0.1 then, 0.2 now (the snapshot predates")
+    assert compare(None, None, then).changed is None  # no config either: nothing to compare, never a crash
+    url = "https://example.org/corpus.txt?X-Amz-Date=20260101T000000Z&X-Amz-Signature=ab12"
+    signed_anew = {**then, "path": url.replace("20260101", "20260102")}
+    assert compare(None, {**data, "path": url}, signed_anew) == compare(None, data, then)  # the same object
