@@ -589,7 +589,7 @@ def prepare(path: str, download_url: Optional[str], storage_options: Optional[Ma
 def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
     """Plain text files as characters: two fast passes over the bytes."""
     shown = storage.redact(path)
-    corpus_bytes = sum(s.size for s in sources)
+    corpus_bytes = sum(s.size for s in sources) + len(SEPARATOR.encode()) * (len(sources) - 1)  # the joined text
     started = time.perf_counter()
 
     index_path = os.path.join(directory, index_key(sources) + ".json")
