@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -31,6 +32,8 @@ GPU_SNAPSHOT_EVERY_MINUTES = 30.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
+# What data.download_url may name: the schemes urllib fetches from a server.
+DOWNLOAD_SCHEMES = ("http", "https", "ftp")
 
 
 class Precision(str, Enum):
@@ -392,6 +395,25 @@ def _positive(value: Any, name: str, fix: str) -> None:
         raise ConfigError(f"{name} must be positive, got {value}: {fix}")
 
 
+def _check_download_url(url: Optional[str]) -> None:
+    """A URL urllib fetches from a server, before the run starts: a local path or a
+    mistyped scheme is an error now, not a download retried for minutes. The message
+    names only the scheme (a presigned URL's query is a secret)."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(str(url))
+    except ValueError as exc:
+        raise ConfigError(f"data.download_url is not a URL ({exc}): write it as https://<host>/<path>") from None
+    if parts.scheme.lower() not in DOWNLOAD_SCHEMES:
+        got = f"{parts.scheme}://" if parts.scheme else "a path without a scheme"
+        raise ConfigError(f"data.download_url must be an http://, https:// or ftp:// URL, not {got}: fix its scheme "
+                          "(a file on this machine goes in data.path, without data.download_url)")
+    if not parts.hostname:
+        raise ConfigError(f"data.download_url names no host ({parts.scheme}:///...): write it as "
+                          f"{parts.scheme}://<host>/<path>")
+
+
 def validate(cfg: Any) -> None:
     """Checks that types alone cannot express; each message names the fix."""
     m, d, o, t = cfg.model, cfg.data, cfg.optimizer, cfg.trainer
@@ -413,6 +435,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError("data.text_column must name the text column of the .parquet / field of the .jsonl files")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.1)")
+    _check_download_url(d.download_url)
     _positive(o.lr, "optimizer.lr", "set optimizer.lr, e.g. optimizer.lr=6e-4")
     if o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")

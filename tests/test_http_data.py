@@ -6,7 +6,7 @@ import socket
 import threading
 import time
 from functools import partial
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -187,3 +187,94 @@ def test_a_server_that_refuses_connections_for_a_moment_is_retried_and_a_404_is_
         if up:
             up[0].shutdown()
             up[0].server_close()
+
+
+@pytest.fixture
+def unknown_hosts(monkeypatch):
+    """Every name but loopback fails to resolve as a mistyped host does (EAI_NONAME), in this
+    process: no DNS query leaves the machine."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in ("127.0.0.1", "localhost", "::1", None):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("via, url, message", [
+    ("data.download_url", "file:///nonexistent/corpus.txt", "No such file"),
+    ("data.download_url", "htps://127.0.0.1:9/x.txt", "unknown url type"),
+    ("data.download_url", "http:///x.txt", "no host given"),
+    ("data.download_url", "http://data-host-typo.invalid/x.txt", "Name or service not known"),
+    ("data.path", "http://data-host-typo.invalid/x.txt", "cannot reach the server .*Name or service not known"),
+])
+def test_a_mistyped_url_or_an_unknown_host_is_one_error_at_once(tmp_path, caplog, unknown_hosts, via, url, message):
+    """urllib reports these like a network failure (URLError), aiohttp an unknown host as a
+    connection error: none is an outage to wait out for trainer.load_retry_minutes (review
+    of issue 29, defect 8)."""
+    local = tmp_path / "data" / "corpus.txt"
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING), pytest.raises(token_cache.ConfigError, match=message):
+        if via == "data.path":
+            token_cache.prepare(url, None, {}, str(tmp_path / "cache"), 1.0)
+        else:
+            token_cache.prepare(str(local), url, {}, str(tmp_path / "cache"), 1.0)
+    assert "retrying" not in caplog.text and time.monotonic() - started < 10, caplog.text
+    assert not (tmp_path / "data").exists()
+
+
+class CutBodyHandler(BaseHTTPRequestHandler):
+    """Sends half the body and closes the connection for its first `cuts` requests, with a
+    Content-Length or chunked (then urllib raises IncompleteRead), then the whole body."""
+
+    protocol_version = "HTTP/1.1"
+    body = b"".join(b"line %06d of the corpus\n" % i for i in range(4000))
+    cuts, chunked = 1, False
+
+    def do_GET(self):
+        cut = type(self).cuts > 0
+        type(self).cuts -= 1
+        sent = self.body[:len(self.body) // 2] if cut else self.body
+        self.send_response(200)
+        self.send_header(*(("Transfer-Encoding", "chunked") if self.chunked else
+                           ("Content-Length", str(len(self.body)))))
+        self.end_headers()
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(sent), sent) if self.chunked else sent)
+        if self.chunked and not cut:
+            self.wfile.write(b"0\r\n\r\n")
+        self.wfile.flush()
+        self.close_connection = True
+        if cut:
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def log_message(self, format, *args):
+        pass
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_download_cut_off_mid_file_is_retried_and_never_saved_as_the_corpus(tmp_path, caplog, chunked):
+    """A connection that closes before the whole body arrived is an outage: retried, and
+    only a whole file reaches data.path, which is never downloaded again once there
+    (review of issue 29, defect 8: urllib returns a short read without an error)."""
+    handler = type("Cut", (CutBodyHandler,), {"chunked": chunked, "cuts": 1})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/corpus.txt"
+    try:
+        local = tmp_path / "data" / "corpus.txt"
+        with caplog.at_level(logging.WARNING):
+            made = token_cache.prepare(str(local), url, {}, str(tmp_path / "cache"), 0.5)
+        assert local.read_bytes() == handler.body and made.length == len(handler.body)
+        assert "retrying" in caplog.text and ("IncompleteRead" if chunked else "closed after") in caplog.text
+        handler.cuts = 1000
+        other = tmp_path / "other" / "corpus.txt"
+        with pytest.raises(token_cache.ConfigError, match="downloading it from .* failed"):
+            token_cache.prepare(str(other), url, {}, str(tmp_path / "cache"), 0.02)
+        assert not other.parent.exists()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,10 +1,16 @@
 """Storage without training: secrets kept out of config files and logs, retries and their
 limits, the background saver's failure handling, and the snapshot store and data cache on
 real S3 servers (moto and SeaweedFS on 127.0.0.1)."""
+import errno
+import http.client
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
+import types
+import urllib.error
 import uuid
 
 import pytest
@@ -325,6 +331,54 @@ def test_an_outage_is_transient_whatever_wraps_it_and_an_answer_is_not():
         assert not storage.is_transient(_raised_from(FileNotFoundError("http://h/x.txt"), cause)), cause
     assert not storage.is_transient(answer(404)) and storage.is_transient(answer(502))
     assert not storage.is_transient(_raised_from(ConfigError("cannot read"), ConnectionRefusedError()))
+
+
+def _as_urllib_raises(cause) -> BaseException:
+    """urllib.request's way: `except OSError as err: raise URLError(err)` (a context)."""
+    try:
+        try:
+            raise cause
+        except OSError as err:
+            raise urllib.error.URLError(err)
+    except urllib.error.URLError as raised:
+        return raised
+
+
+@pytest.mark.unit
+def test_an_unknown_host_or_an_untrusted_certificate_is_final_and_a_dns_outage_is_not():
+    """urllib wraps every failure before an answer in URLError, aiohttp an unknown host or a
+    refused certificate in a ClientConnectionError: the cause decides. A name that does not
+    resolve (EAI_NONAME, EAI_NODATA) or a certificate not trusted is a mistake to report at
+    once, a temporary DNS failure (EAI_AGAIN), a cut body or a refused connection an outage;
+    a mistyped scheme, a URL without a host or a local path is no network failure at all
+    (review of issue 29, defect 8). Mid-run, a sharded save still retries the first two."""
+    aiohttp = pytest.importorskip("aiohttp")
+    from mingpt_ddp.checkpoint.sharded_snapshot import _transient as retried_mid_run
+    key = types.SimpleNamespace(host="data-host-typo.invalid", port=443, ssl=True)
+
+    def dns(code, text):
+        return socket.gaierror(code, text)
+
+    unknown = dns(socket.EAI_NONAME, "Name or service not known")
+    no_address = dns(getattr(socket, "EAI_NODATA", -5), "No address associated with hostname")
+    untrusted = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    for lasting in (_as_urllib_raises(unknown), _as_urllib_raises(no_address), _as_urllib_raises(untrusted),
+                    _raised_from(FileNotFoundError("https://h/x"), _raised_from(
+                        aiohttp.ClientConnectorDNSError(key, unknown), unknown)),
+                    aiohttp.ClientConnectorDNSError(key, OSError(None, "Name or service not known")),
+                    _raised_from(FileNotFoundError("https://h/x"), _raised_from(
+                        aiohttp.ClientConnectorCertificateError(key, untrusted), untrusted))):
+        assert not storage.is_transient(lasting) and storage.network_cause(lasting) is None, repr(lasting)
+        assert storage.lasting_network_cause(lasting) is not None and retried_mid_run(lasting), repr(lasting)
+    again = dns(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    for outage in (_as_urllib_raises(again), _raised_from(aiohttp.ClientConnectorDNSError(key, again), again),
+                   _as_urllib_raises(ConnectionRefusedError(111, "Connection refused")),
+                   _as_urllib_raises(OSError(errno.ENETUNREACH, "Network is unreachable")),
+                   http.client.IncompleteRead(b"x" * 10, 90)):
+        assert storage.is_transient(outage) and storage.network_cause(outage) is not None, repr(outage)
+    for mistake in (urllib.error.URLError("unknown url type: htps"), urllib.error.URLError("no host given"),
+                    _as_urllib_raises(FileNotFoundError(2, "No such file or directory"))):
+        assert storage.network_cause(mistake) is None, repr(mistake)
 
 
 # ---- the background saver --------------------------------------------------------------------

@@ -107,12 +107,15 @@ def write_parts(directory):
 def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, caplog):
     write_parts(tmp_path / "corpus")
     with caplog.at_level(logging.WARNING):
-        whole, _ = load(tmp_path / "corpus", tmp_path / "cache")
+        whole, made = load(tmp_path / "corpus", tmp_path / "cache")
     assert whole.vocab.decode(whole.tokens) == "first file, aaa\nsecond file, bbb\nthird: ccc"
     assert "empty.txt is empty: skipped" in caplog.text
     some, _ = load(f"{tmp_path}/corpus/*.txt", tmp_path / "cache")
     assert some.vocab.decode(some.tokens) == "first file, aaa\nsecond file, bbb"
     assert "\n" in some.vocab.chars  # the separator is a character of the vocabulary
+    # corpus_bytes (bytes per token, MB/s) counts the joined text, separators included, as
+    # the document formats do (review of issue 29, defect 10)
+    assert made.corpus_bytes == len("first file, aaa\nsecond file, bbb\nthird: ccc".encode())
 
 
 @pytest.mark.s3

@@ -32,6 +32,7 @@ import codecs
 import contextlib
 import glob
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -99,9 +100,11 @@ def local_copy_path(url: str, cache_dir: Optional[str]) -> str:
 
 
 def download(url: str, dest: str, timeout_s: float = 30.0, retry_minutes: float = 0.0) -> None:
-    """Fetch `url` into `dest` atomically: a reader sees the whole file or none. A server
-    that cannot be reached is retried for `retry_minutes`; an HTTP 4xx answer is final. On
-    failure nothing is left behind, not even the directories made for it."""
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none, and only
+    the whole file (a body shorter than its Content-Length is a cut connection, not the
+    corpus). A server that cannot be reached is retried for `retry_minutes`; anything else
+    (a 4xx answer, an unknown host, an untrusted certificate, a mistyped URL) is final at
+    once. On failure nothing is left behind, not even the directories made for it."""
     directory = os.path.dirname(os.path.abspath(dest))
     made = _missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
@@ -112,20 +115,27 @@ def download(url: str, dest: str, timeout_s: float = 30.0, retry_minutes: float 
 
     def fetch() -> None:
         with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            received = 0
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
+                received += len(chunk)
+            # urllib's read returns b"" when the server closes early, whatever Content-Length said.
+            announced = resp.headers.get("Content-Length", "")
+            if announced.strip().isdigit() and received < int(announced):
+                raise ConnectionResetError(f"the connection closed after {received:,} of {int(announced):,} bytes")
             out.flush()
             os.fsync(out.fileno())
 
     try:
-        storage.retry_transient(fetch, f"downloading {storage.redact(url)}", retry_minutes)
+        storage.retry_transient(fetch, f"downloading {storage.redact(url)}", retry_minutes,
+                                transient=lambda exc: storage.network_cause(exc) is not None)
         os.replace(tmp, dest)
         done = True
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise ConfigError(
             f"data file {dest} is missing and downloading it from {storage.redact(url)} failed "
-            f"({storage.describe(storage.network_cause(exc) or exc)}): put a UTF-8 text file at {dest}, or set "
-            "data.path=<your text file>"
+            f"({storage.describe(storage.network_cause(exc) or exc)}): check data.download_url, put a UTF-8 text "
+            f"file at {dest}, or set data.path=<your text file>"
         ) from None
     finally:
         if not done:
@@ -222,6 +232,10 @@ def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float)
         why = f"HTTP {status}" if status else storage.describe(exc)
         return (f"cannot read data file {url} ({why}): check the credentials (AWS_* environment, AWS_PROFILE, "
                 "instance role, data.storage_options; a presigned URL may have expired)")
+    lasting = storage.lasting_network_cause(exc)  # an unknown host, an untrusted certificate: not retried
+    if lasting is not None:
+        return (f"cannot reach the server of data file {url} ({storage.describe(lasting)}): check the host name in "
+                "data.path, and that this machine trusts the server's certificate")
     if isinstance(exc, FileNotFoundError) and unreachable is None:
         return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
     if isinstance(exc, IsADirectoryError):
@@ -575,7 +589,7 @@ def prepare(path: str, download_url: Optional[str], storage_options: Optional[Ma
 def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
     """Plain text files as characters: two fast passes over the bytes."""
     shown = storage.redact(path)
-    corpus_bytes = sum(s.size for s in sources)
+    corpus_bytes = sum(s.size for s in sources) + len(SEPARATOR.encode()) * (len(sources) - 1)  # the joined text
     started = time.perf_counter()
 
     index_path = os.path.join(directory, index_key(sources) + ".json")
