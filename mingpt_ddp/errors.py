@@ -34,12 +34,18 @@ class ConfigError(UserFacingError):
 
 
 class RunError(UserFacingError):
-    """The run failed while it ran, through no fault of its input: replicas that diverged,
-    snapshots that could not be saved for trainer.save_retry_minutes, a lost run lock, a rank
+    """The run failed while it ran, through no fault of its input: snapshots that could not be saved for trainer.save_retry_minutes, a lost run lock, a rank
     that waited too long for another. Run the same command to resume once the cause is gone.
     Exit code 4: worth retrying (launch/train.sbatch requeues it)."""
 
     exit_code = 4
+
+
+class NeedsAPerson(ConfigError):
+    """The run failed in a way a retry cannot mend and a person must look into: replicas that
+    diverged (different code, data or hardware on some nodes: "compare the nodes"). Counted as
+    a ConfigError (exit 2, recorded as one) so that no launcher retries it: a requeue would
+    refuse the snapshot marked as failing the check, or train on the same faulty nodes."""
 
 
 CLASSES = (ConfigError, RunError)  # in precedence: one ConfigError anywhere makes the job's outcome ConfigError

@@ -42,7 +42,7 @@ from mingpt_ddp import determinism, distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
-from mingpt_ddp.errors import ConfigError, RunError
+from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
 from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
@@ -643,9 +643,10 @@ class Trainer:
         self.metrics.write(record)
 
     def _raise_if_check_failed(self) -> None:
-        """After the snapshot that records it: every rank raises, the run ends with a non-zero exit."""
+        """After the snapshot that records it: every rank raises, the run ends with exit code 2
+        (NeedsAPerson: not retried, a person compares the nodes)."""
         if self.failed_check is not None:
-            raise RunError(
+            raise NeedsAPerson(
                 f"{self.failed_check['message']}: the last snapshot holds rank 0's weights, marked as failing this "
                 "check (a new start refuses it): compare the nodes' environments, then resume it with "
                 "trainer.resume_failed_check=true or start a new run"

@@ -171,7 +171,7 @@ def test_a_failed_end_of_run_check_is_recorded_in_the_last_snapshot(text, stoppe
     import os
     import signal
 
-    from mingpt_ddp.errors import RunError
+    from mingpt_ddp import errors
 
     trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1, log_every=2)
     trainer.saver = saver = RecordingSaver()
@@ -179,8 +179,10 @@ def test_a_failed_end_of_run_check_is_recorded_in_the_last_snapshot(text, stoppe
     trainer._check_ranks_agree = lambda: failed
     if stopped_at_the_end:
         trainer.step_callbacks.append(lambda t: t.state.step == 4 and os.kill(os.getpid(), signal.SIGUSR1))
-    with pytest.raises(RunError, match=r"parameters differ between ranks \(\.\.\.\): the last snapshot .* "
-                                       r"trainer\.resume_failed_check=true"):
+    with pytest.raises(errors.UserFacingError, match=r"parameters differ between ranks \(\.\.\.\): the last snapshot .* "
+                                                 r"trainer\.resume_failed_check=true") as raised:
         trainer.fit()
+    # a person compares the nodes: exit 2 and recorded as a ConfigError, never requeued as a RunError
+    assert errors.class_of(raised.value) is errors.ConfigError and raised.value.exit_code == 2, type(raised.value)
     assert trainer.stopped_by == ("SIGUSR1" if stopped_at_the_end else None)
     assert [(step, check) for step, _, check in saver.saved] == [(2, None), (4, failed)]
