@@ -104,3 +104,20 @@ def test_a_config_error_never_shows_a_secret_from_the_command_line(overrides):
         assert "SUPERSECRET123_UNSET" in message  # an environment variable's name is no secret: it says what to set
     else:
         assert "SUPERSECRET123" not in message, message
+
+
+def test_a_lost_rendezvous_store_is_a_lost_peer_not_a_run_error(monkeypatch):
+    """Waiting in the store whose host has gone (rank 0's node died, e.g. OOM-killed while it
+    encodes) is a symptom of another process dying: main() ends it like a failed collective
+    (exit 3, no class recorded), never as a RunError that train.sbatch would requeue at once."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    monkeypatch.setattr(distributed, "_store", client)
+    del server  # the host is gone
+    with pytest.raises(Exception) as raised:
+        distributed._await(["mingpt_ddp/never"], "each node's first process preparing its data")
+    assert not isinstance(raised.value, UserFacingError), raised.value
+    line = distributed.communication_failure(raised.value)
+    assert line and line.startswith("lost the job's rendezvous store while waiting for each node's"), line

@@ -240,7 +240,8 @@ def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkey
     (errors.record, read back by torch's own ProcessFailure), not the first exit code: the
     first worker to exit makes the agent SIGTERM the others, or they lose their peers (3).
     ConfigError (2) when any worker recorded one, else RunError (4). Without a record, 2 or 4
-    only when every failed worker exited with it, else 1. A record is no traceback:
+    only when every failed worker exited with it, else 1. A worker that crashed without a record
+    (a signal the agent does not send) outranks a RunError: 1. A record is no traceback:
     one summary line; a bug's error file keeps torchrun's own summary."""
     import signal as signals
 
@@ -263,6 +264,12 @@ def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkey
              ({0: failure(0, 4, RunError), 1: failure(1, 2, ConfigError)}, 2),
              ({0: failure(0, 4, RunError), 1: failure(1, 3)}, 4),
              ({0: failure(0, 3), 1: failure(1, kill, RunError)}, 4),
+             ({0: failure(0, 4, RunError), 1: failure(1, term)}, 4),  # rank 1 stopped by the agent
+             # rank 0 crashed (OOM-killed, SIGSEGV) with no record: rank 1's RunError (a wait for it
+             # that ran out) is its symptom; the node is a crash (1), not a requeue-at-once RunError
+             ({0: failure(0, kill), 1: failure(1, 4, RunError)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, -signals.SIGSEGV), 1: failure(1, term, RunError)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, kill), 1: failure(1, 2, ConfigError)}, 2),  # bad input still wins
              ({0: failure(0, 2), 1: failure(1, 2)}, 2),  # exited 2 before main() could record
              ({0: failure(0, 4), 1: failure(1, 4)}, 4),
              ({0: failure(0, 2), 1: failure(1, 4)}, torchrun.RDZV_FAILED_EXIT),
