@@ -15,9 +15,13 @@ import tempfile
 import time
 from typing import Any, Optional
 
-# Set by launch/train.sbatch: a directory where every process that ends with a ConfigError or
-# RunError creates a file named after the class, which the batch script reads after the step.
+# Set by launch/train.sbatch: a directory, one per job and requeue, where every process creates
+# try-<n>/ when it starts (n: torchrun's TORCHELASTIC_RESTART_COUNT, the step's try) and a file
+# named after its class in it when it ends with a ConfigError or RunError, and where rank 0
+# keeps the step of the newest snapshot it saved (PROGRESS_FILE). The batch script reads them
+# after the step: the classes of the last try only, and whether the run made progress.
 STEP_ERRORS_ENV = "MINGPT_STEP_ERRORS"
+PROGRESS_FILE = "snapshot_step"
 # The key of the torchelastic error file (TORCHELASTIC_ERROR_FILE) that names the class.
 CLASS_KEY = "mingpt_error_class"
 
@@ -84,7 +88,7 @@ def record(error: UserFacingError | type[UserFacingError], message: str) -> None
             os.replace(tmp, error_file)
         except OSError:
             pass
-    step_errors = os.environ.get(STEP_ERRORS_ENV)
+    step_errors = _try_dir()
     if step_errors:
         try:
             os.makedirs(step_errors, exist_ok=True)
@@ -92,6 +96,41 @@ def record(error: UserFacingError | type[UserFacingError], message: str) -> None
                 pass
         except OSError:
             pass
+
+
+def _try_dir() -> Optional[str]:
+    step_errors = os.environ.get(STEP_ERRORS_ENV)
+    return os.path.join(step_errors, f"try-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}") if step_errors else None
+
+
+def record_start() -> None:
+    """Mark this try of the step as started (MINGPT_STEP_ERRORS/try-<n>/): the batch script
+    reads the records of the newest try only, so a class an earlier try of the same step
+    recorded (a ConfigError while the data was still being staged) does not decide for a
+    later try that trained and then lost a node. Best effort, like `record`."""
+    step_errors = _try_dir()
+    if step_errors:
+        try:
+            os.makedirs(step_errors, exist_ok=True)
+        except OSError:
+            pass
+
+
+def record_progress(step: int) -> None:
+    """Rank 0, after a snapshot at `step` is saved: MINGPT_STEP_ERRORS/snapshot_step holds it,
+    which the batch script compares with the attempt before to requeue a failed step only
+    when the run advanced. Best effort, like `record`."""
+    step_errors = os.environ.get(STEP_ERRORS_ENV)
+    if not step_errors:
+        return
+    try:
+        os.makedirs(step_errors, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=step_errors, prefix=".progress.")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{int(step)}\n")
+        os.replace(tmp, os.path.join(step_errors, PROGRESS_FILE))
+    except OSError:
+        pass
 
 
 def recorded_class(error_file_data: Any) -> Optional[type[UserFacingError]]:

@@ -589,6 +589,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
     started = time.time()
+    errors.record_start()  # launch/train.sbatch reads the records of the newest try only
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.

@@ -33,7 +33,7 @@ def test_bad_input_and_run_failures_are_distinct_with_codes_of_their_own():
 def test_a_process_records_its_class_where_the_launchers_read_it(tmp_path, monkeypatch):
     """errors.record: the worker's torchelastic error file names the class (a subclass of
     ConfigError counts as one), replaced whole; MINGPT_STEP_ERRORS (train.sbatch's) gets a file
-    per class; without either, or where they cannot be written, nothing and no exception."""
+    per class and try; without either, or where they cannot be written, nothing and no exception."""
     import json
 
     from mingpt_ddp.checkpoint.sharded_snapshot import CorruptShardedSnapshot
@@ -49,7 +49,12 @@ def test_a_process_records_its_class_where_the_launchers_read_it(tmp_path, monke
     data = json.loads((worker / "error.json").read_text())
     assert recorded_class(data) is RunError and data["message"]["message"].startswith("RunError: saving snapshots")
     assert sorted(os.listdir(worker)) == ["error.json"]
-    assert sorted(os.listdir(tmp_path / "run" / ".step_errors")) == ["ConfigError", "RunError"]
+    # in the directory of this try of the step (torchrun's restart count), so a later try's
+    # records are not mixed with an earlier one's
+    assert sorted(os.listdir(tmp_path / "run" / ".step_errors" / "try-0")) == ["ConfigError", "RunError"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    record(RunError, "again")
+    assert sorted(os.listdir(tmp_path / "run" / ".step_errors" / "try-2")) == ["RunError"]
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no-such-dir" / "error.json"))
     monkeypatch.setenv(STEP_ERRORS_ENV, str(worker / "error.json" / "x"))  # under a file: cannot be made
     record(ConfigError, "bad input")

@@ -69,6 +69,7 @@ except ImportError:  # without it: local paths through the public FileSystemRead
     FsspecReader, FsspecWriter = FileSystemReader, FileSystemWriter
 HAS_FSSPEC_DCP = FsspecReader is not FileSystemReader
 
+from mingpt_ddp import errors
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
@@ -891,6 +892,8 @@ class ShardedSaver:
             error = self._handle.wait()
             if self._handle.committed:
                 self.last_saved = self._handle.directory
+                if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+                    errors.record_progress(self._handle.step)  # launch/train.sbatch: the run advanced
             self._error = error or self._error
             self._handle = None
 
