@@ -78,7 +78,7 @@
 #                   (torch.compile's workers per process) [the same]
 #   TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE  when set (train.sbatch does),
 #                   its directory is created on every node, for the NCCL flight recorder's dumps
-#   MINGPT_STEP_ERRORS  when set (train.sbatch does: <run dir>/.step_errors), every worker
+#   MINGPT_STEP_ERRORS  when set (train.sbatch does: <submit dir>/.mingpt-step/<job>/<restart>), every worker
 #                   that ends with a ConfigError or RunError creates a file named after the
 #                   class there, for the batch script's requeue decision
 #

@@ -387,7 +387,8 @@ def test_sbatch_sweep_preemption_ends_the_sweep_and_the_requeued_job_finishes_it
 
 def test_sbatch_never_requeues_bad_input_whatever_srun_reports(slurm, tmp_path):
     """A missing data file, with REQUEUE_MIN_STEP_SECONDS=0 (the step's short life cannot
-    save it): every worker records its ConfigError in <run dir>/.step_errors, which the batch
+    save it): every worker records its ConfigError in <submit dir>/.mingpt-step/<job>/<restart>/,
+    which the batch
     script reads, since srun reports 143 when --kill-on-bad-exit stopped the other node before
     that node's own exit 2. The job is not requeued."""
     run_dir = tmp_path / "run"
@@ -398,7 +399,7 @@ def test_sbatch_never_requeues_bad_input_whatever_srun_reports(slurm, tmp_path):
     assert state == "FAILED", log
     assert "training step refused its input (a ConfigError, step exit code " in log, log
     assert "requeueing" not in log and job_field(slurm, job, "Restarts") == "0", log
-    assert (run_dir / ".step_errors" / "ConfigError").exists(), log
+    assert not (run_dir / ".step_errors").exists(), log  # the records are the job's, and go with it
 
 
 # ---- pre-flight checks -----------------------------------------------------------------------
