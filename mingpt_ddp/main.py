@@ -74,6 +74,7 @@ from mingpt_ddp.checkpoint import run_dir as run_dir_check, storage
 from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus import identity as corpus_identity
+from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
 from mingpt_ddp import errors
@@ -658,7 +659,10 @@ def run() -> None:
     _ran_by_cli = True
     try:
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
-            main()
+            try:
+                main()
+            finally:
+                token_cache.stop_keeping_fresh()  # the run's files age from here, as any others
     except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
         errors.record(bad.error, str(bad.error))  # before the wait below: the agent may stop this worker
         if distributed.first_to_report(str(bad.error)):

@@ -668,7 +668,7 @@ def keep_fresh(paths: tuple[str, ...]) -> None:
     _fresh_changed.set()  # (re)reads KEEP_FRESH_S and the paths now
     if _fresh["thread"] is None:
         def touch_forever() -> None:
-            while True:
+            while _fresh["paths"]:
                 _fresh_changed.wait(KEEP_FRESH_S)
                 _fresh_changed.clear()
                 for path in _fresh["paths"]:
@@ -676,6 +676,15 @@ def keep_fresh(paths: tuple[str, ...]) -> None:
 
         _fresh["thread"] = threading.Thread(target=touch_forever, daemon=True, name="token-cache-keep-fresh")
         _fresh["thread"].start()
+
+
+def stop_keeping_fresh() -> None:
+    """End keep_fresh's thread (the run is over): no thread of ours is left when the
+    interpreter shuts down, where a daemon thread can still wake and take the GIL."""
+    thread, _fresh["paths"], _fresh["thread"] = _fresh["thread"], (), None
+    if thread is not None:
+        _fresh_changed.set()
+        thread.join(timeout=5)
 
 
 def document_stream(sources: list[Source], text_column: str):
