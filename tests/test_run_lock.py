@@ -657,8 +657,9 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
 
 @pytest.mark.unit
 def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
-    """Another run takes the lease over while its holder renews (right after the holder
-    looked at it): the renewal fails and the taker's record stays."""
+    """Another run takes the lease over while its holder renews late (past the time in which
+    no run may judge it gone; right after the holder looked at it): the renewal fails and
+    the taker's record stays."""
     from mingpt_ddp.checkpoint.run_lock import _FileLease
 
     path = str(tmp_path / ".snapshot.lock")
@@ -696,10 +697,10 @@ def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(t
     renewals = []
     real_renew = lock._lease.renew
 
-    def renew_then_fail(blob, version):
+    def renew_then_fail(blob, version, **when):
         if len(renewals) < 2:
             renewals.append(time.monotonic())
-            return real_renew(blob, version)
+            return real_renew(blob, version, **when)
         raise OSError(errno.EIO, "the store is unreachable")
 
     lock._lease.renew = renew_then_fail
@@ -709,3 +710,44 @@ def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(t
     assert lost_at - renewals[-1] < 3.0 and time.time() - heartbeat < 3.0, (lost_at - renewals[-1], lock.lost)
     assert "could not be renewed" in lock.lost, lock.lost
     lock.release()
+
+
+@pytest.mark.unit
+def test_a_newcomer_between_the_steps_of_a_healthy_renewal_is_refused(tmp_path, monkeypatch, no_job):
+    """Issue 29, 9: a lease file's renewal must leave no moment without the holder's record.
+    A newcomer tries to start after every filesystem step of a renewal: each try is refused
+    (the holder's process is alive), and the holder keeps its lease."""
+    from mingpt_ddp.checkpoint import run_lock
+    from mingpt_ddp.errors import ConfigError
+
+    monkeypatch.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # a lease
+    url = tmp_path / "snapshot.pt"
+    holder = new_lock(url, heartbeat_s=3600)  # renewed below, step by step, not by its thread
+    holder.acquire()
+    outcomes, trying = [], []
+
+    def then_a_newcomer(step):
+        def wrapped(*args, **kwargs):
+            result = step(*args, **kwargs)
+            if not trying:
+                trying.append(True)
+                newcomer = new_lock(url)
+                try:
+                    newcomer.acquire()
+                    outcomes.append(f"taken after {step.__name__}")
+                    newcomer.release()
+                except ConfigError as exc:
+                    outcomes.append(str(exc))
+                trying.clear()
+            return result
+        return wrapped
+
+    with monkeypatch.context() as steps:
+        for name in ("rename", "replace", "link", "unlink"):
+            steps.setattr(os, name, then_a_newcomer(getattr(os, name)))
+        why = holder._renew()
+    assert outcomes and all("another run is live on these snapshots" in o for o in outcomes), outcomes
+    assert why is None, why
+    assert read_owner(url)["token"] == holder.token
+    holder.release()
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())
