@@ -791,3 +791,26 @@ class RunLock:
                 _HELD_FDS.discard(self._fd)
                 os.close(self._fd)
                 self._fd = None
+
+
+class Locks:
+    """The locks one run holds together (its snapshots', its run directory's), as the trainer
+    and the savers see one: lost when any is (the first loss says why)."""
+
+    def __init__(self, *locks: Optional[RunLock]):
+        self.locks = [lock for lock in locks if lock is not None]
+
+    @property
+    def lost(self) -> Optional[str]:
+        return next((lock.lost for lock in self.locks if lock.lost), None)
+
+    def confirm(self) -> Optional[str]:
+        for lock in self.locks:
+            why = lock.confirm()
+            if why:
+                return why
+        return None
+
+    def raise_if_lost(self) -> None:
+        for lock in self.locks:
+            lock.raise_if_lost()
