@@ -698,13 +698,15 @@ def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreement
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.unit
-@pytest.mark.parametrize("store", ["local", "memory"])
-def test_a_background_write_under_way_when_the_lock_is_lost_is_not_published(tmp_path, no_job, store):
+@pytest.mark.parametrize("store", [pytest.param("local", marks=pytest.mark.unit),
+                                   pytest.param("memory", marks=pytest.mark.unit),
+                                   pytest.param("moto_s3", marks=pytest.mark.s3)])
+def test_a_background_write_under_way_when_the_lock_is_lost_is_not_published(tmp_path, request, no_job, store):
     """The lock is confirmed before a write starts, and again before it is published (the
     rename, "latest", retention): a write of minutes during which the lock was taken over
-    leaves nothing of it, the new holder's snapshot of the same step intact, and the saver
-    reports the loss. Local files, and a store written by temp name then rename."""
+    leaves nothing of it and the new holder's snapshot intact, and the saver reports the
+    loss. Local files; a store written by temp name then rename (memory://); S3, where the
+    object is visible once written, and is removed (the new holder's "latest" keeps its step)."""
     import fsspec
     import torch
     from mingpt_ddp.checkpoint import snapshot
@@ -713,8 +715,12 @@ def test_a_background_write_under_way_when_the_lock_is_lost_is_not_published(tmp
     lock_url = str(tmp_path / "snapshot.pt")
     first = new_lock(lock_url, heartbeat_s=3600)  # the loss is found by the saver's own check
     first.acquire()
-    url = lock_url if store == "local" else f"memory://{tmp_path}/snapshot.pt"
-    fs, root = fsspec.core.url_to_fs(url.rsplit("/", 1)[0])
+    url, options = lock_url, None
+    if store == "memory":
+        url = f"memory://{tmp_path}/snapshot.pt"
+    elif store != "local":
+        url, options = where_to_lock(store, tmp_path, request)
+    fs, root = fsspec.core.url_to_fs(url.rsplit("/", 1)[0], **(options or {}))
     fs.makedirs(root, exist_ok=True)
     taken = []
 
@@ -724,27 +730,27 @@ def test_a_background_write_under_way_when_the_lock_is_lost_is_not_published(tmp
                 os.unlink(tmp_path / ".snapshot.lock")
                 taken.append(new_lock(lock_url))
                 taken[0].acquire()
-                SnapshotStore(url).save(encode({"holder": torch.zeros(1)}, 3), 3)
+                SnapshotStore(url, storage_options=options).save(encode({"holder": torch.zeros(1)}, 3), 3)
             return write(*args, **kwargs)
         return wrapped
 
+    losing = SnapshotStore(url, storage_options=options)
     if store == "local":  # streamed into a temp file
         no_job.setattr(snapshot, "write_encoded", taken_over_meanwhile(snapshot.write_encoded))
-    else:  # uploaded under a temp name
-        no_job.setattr(fs, "pipe_file", taken_over_meanwhile(fs.pipe_file))
-    saved = {}
-    saver = BackgroundSaver(SnapshotStore(url), retry_minutes=1, run_lock=first)
+    else:  # uploaded (under a temp name, or as the object itself)
+        no_job.setattr(losing.fs, "pipe_file", taken_over_meanwhile(losing.fs.pipe_file))
+    saver = BackgroundSaver(losing, retry_minutes=1, run_lock=first)
     saver.submit({"model": {"w": torch.ones(2)}, "train_state": {"step": 3}, "vocab": "ab"}, 3)
     error = saver.wait()
     assert taken, "the write never started"
     assert error and "lost the run lock" in error, error
     fs.invalidate_cache()
     names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
-    assert [n for n in names if n.startswith("snapshot")] == ["snapshot.pt", "snapshot.step000000003.pt"], names
+    left = ["snapshot.pt"] if store == "moto_s3" else ["snapshot.pt", "snapshot.step000000003.pt"]
+    assert [n for n in names if n.startswith("snapshot")] == left, names
     assert not [n for n in names if "tmp" in n], names
-    for name in ("snapshot.pt", "snapshot.step000000003.pt"):
-        saved[name] = snapshot.decode(fs.cat_file(f"{root}/{name}"), name)
-        assert "holder" in saved[name], (name, saved[name].keys())  # the new holder's, byte for byte
+    for name in left:
+        assert "holder" in snapshot.decode(fs.cat_file(f"{root}/{name}"), name), name  # the new holder's
     first.release()
     taken[0].release()
 

@@ -24,8 +24,9 @@ with host networking share a host name, not a PID namespace) or when its heartbe
 ``If-Match`` on the ETag read; files: renaming that very inode aside), so of two runs
 taking over one stale lease exactly one wins. Renewing never leaves the lease without its
 holder's record, which a run starting then would take (S3: the same PUT with ``If-Match``;
-files: a new record renamed over it, while no other run can have judged the holder gone). A holder that cannot renew its lease for
-``STALE_AFTER_S`` less two heartbeats counts it as lost (before another run may take it).
+files: a new record renamed over it, while no other run can have judged the holder gone).
+A holder that cannot renew its lease for ``STALE_AFTER_S`` less two heartbeats counts it
+as lost (before another run may take it).
 
 Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
 earlier launch, which Slurm ended first. torchrun restarting its workers (a higher

@@ -318,8 +318,13 @@ class SnapshotStore:
             blob(buf)
             blob = buf.getvalue()
 
-        def refuse_if_told() -> None:
+        def refuse_if_told(written: Optional[str] = None) -> None:
             why = confirm() if confirm is not None else None
+            if why and written is not None:
+                try:
+                    self.fs.rm(written)
+                except Exception as exc:
+                    log.warning("could not remove %s (%s)", self.display(written), storage.describe(exc))
             if why:
                 raise WriteRefused(why)
 
@@ -327,20 +332,14 @@ class SnapshotStore:
             # One PUT (or one multipart upload, completed at the end): the object appears
             # whole or not at all. Never a rename: on S3 that is a copy and a delete.
             self.fs.pipe_file(path, blob)
-            try:
-                refuse_if_told()
-            except WriteRefused:  # already visible: removed, so that no run resumes from it
-                self.fs.rm(path)
-                raise
+            # Already visible: removed, so that no run resumes from it (should the new holder
+            # have saved this very step meanwhile, its "latest" copy still holds it).
+            refuse_if_told(written=path)
             return
         if not self.is_local:  # HDFS, SFTP, ...: write a temp name, then rename
             tmp = self._join(f".{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex[:8]}")
             self.fs.pipe_file(tmp, blob)
-            try:
-                refuse_if_told()
-            except WriteRefused:
-                self.fs.rm(tmp)
-                raise
+            refuse_if_told(written=tmp)
             self.fs.mv(tmp, path)
             return
         storage.write_local_atomically(path, blob if callable(blob) else (lambda f: f.write(blob)),
