@@ -570,7 +570,7 @@ def test_only_rank_0_holds_a_run_directory_and_the_others_refuse_another_launchs
     no_job.setenv("TORCHELASTIC_RUN_ID", "exp1")
     no_job.setenv("RANK", "0")
     run_dir.hold_run_dir(str(tmp_path))
-    lock = run_dir._held.pop(str(tmp_path))  # as if in the process of rank 0, not this one
+    _, lock = run_dir._held.pop(str(tmp_path))  # as if in the process of rank 0, not this one
     try:
         no_job.setenv("RANK", "1")
         run_dir.hold_run_dir(str(tmp_path))  # exp1's rank 1

@@ -46,7 +46,7 @@ def check_writable_dir(path: str, key: str) -> None:
 
 
 RUN_DIR_LOCK = ".run.dir.lock"  # never a snapshot's `.<stem>.lock`: a stem holds no dot
-_held: dict[str, Any] = {}  # run directory (absolute): the RunLock this process holds there
+_held: dict[str, tuple[int, Any]] = {}  # run directory (absolute): (pid, the RunLock that process holds there)
 
 
 def _run_dir_lock(run_dir: str, key: str) -> Any:
@@ -84,19 +84,21 @@ def hold_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
         return
     lock.check_free()  # a live run: refused at once, as the other ranks are (acquire waits 2 s to be sure)
     lock.acquire()
-    _held[root] = lock
+    _held[root] = (os.getpid(), lock)
 
 
 def held_lock(run_dir: str) -> Optional[Any]:
     """The run directory's lock this process holds (rank 0), else None."""
-    return _held.get(os.path.abspath(run_dir))
+    pid, lock = _held.get(os.path.abspath(run_dir), (None, None))
+    return lock if pid == os.getpid() else None
 
 
 def release_run_dir(run_dir: Optional[str] = None) -> None:
-    """Release the lock of `run_dir` (all of them: None) that this process holds."""
+    """Release the lock of `run_dir` (all of them: None) that this process holds (not one
+    its parent held: a forked child exiting leaves the parent's lock alone)."""
     for root in [os.path.abspath(run_dir)] if run_dir else list(_held):
-        lock = _held.pop(root, None)
-        if lock is not None:
+        pid, lock = _held.pop(root, (None, None))
+        if lock is not None and pid == os.getpid():
             lock.release()
 
 
