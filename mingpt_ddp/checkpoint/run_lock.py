@@ -296,6 +296,13 @@ class _FileLease:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self._whole_file(blob)
         try:
+            return self._link_in(tmp, blob)
+        finally:
+            os.unlink(tmp)
+
+    def _link_in(self, tmp: str, blob: bytes) -> Optional[bytes]:
+        """`tmp` (already written whole) as the record, unless the name exists."""
+        try:
             os.link(tmp, self.path)
         except FileExistsError:
             return None
@@ -303,8 +310,6 @@ class _FileLease:
             if exc.errno not in _NO_LINKS:
                 raise
             return self._create_exclusive(blob)
-        finally:
-            os.unlink(tmp)
         return blob
 
     def _create_exclusive(self, blob: bytes) -> Optional[bytes]:
@@ -320,6 +325,13 @@ class _FileLease:
         return blob
 
     def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+        tmp = self._whole_file(blob)  # written before the name goes aside: its gap holds no fsync
+        try:
+            return self._swap_in(tmp, blob, version)
+        finally:
+            os.unlink(tmp)
+
+    def _swap_in(self, tmp: str, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
         aside = f"{self.path}.{uuid.uuid4().hex[:8]}.stale"
         try:
             os.rename(self.path, aside)
@@ -334,7 +346,7 @@ class _FileLease:
         finally:
             if os.path.lexists(aside):
                 os.unlink(aside)
-        return self.create(blob)
+        return self._link_in(tmp, blob)
 
     def renew(self, blob: bytes, version: Optional[bytes], in_place_until: float = 0.0) -> Optional[bytes]:
         """Replace the record if it is still `version`. Until `in_place_until` (monotonic)
@@ -348,7 +360,7 @@ class _FileLease:
         tmp = self._whole_file(blob)  # the slow part (fsync) before the clock is read
         try:
             if time.monotonic() >= in_place_until:
-                return self.take_over(blob, version)
+                return self._swap_in(tmp, blob, version)
             if self.read()[0] != version:
                 return None
             os.replace(tmp, self.path)
