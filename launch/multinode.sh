@@ -78,11 +78,17 @@
 #                   (torch.compile's workers per process) [the same]
 #   TORCH_FR_DUMP_TEMP_FILE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE  when set (train.sbatch does),
 #                   its directory is created on every node, for the NCCL flight recorder's dumps
+#   MINGPT_STEP_ERRORS  when set (train.sbatch does: <submit dir>/.mingpt-step/<job>/<restart>), every worker
+#                   that ends with a ConfigError or RunError creates a file named after the
+#                   class there, for the batch script's requeue decision
 #
 # Prints one line with the resolved topology, then torchrun's and the trainer's output.
 # torchrun runs as mingpt_ddp/tools/torchrun.py: a failed rendezvous, a lost head, or workers
 # that reported their own error end in one `error:` line instead of tracebacks.
-# Exit code: torchrun's; 1 when the head cannot be reached or the setup is wrong.
+# Exit code: the agent's. 0 done (or stopped after a snapshot); 2 a worker recorded a
+# ConfigError (bad input: do not retry); 4 a worker recorded a RunError and none a ConfigError
+# (worth retrying), whichever worker exited first; 1 when the head cannot be reached, the
+# setup is wrong, or workers failed otherwise (a lost peer, a bug); 128+N the agent's signal.
 set -euo pipefail
 
 log() { echo "multinode: $*" >&2; }

@@ -7,11 +7,14 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 """
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
+from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -29,6 +32,8 @@ GPU_SNAPSHOT_EVERY_MINUTES = 30.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
+# What data.download_url may name: the schemes urllib fetches from a server.
+DOWNLOAD_SCHEMES = ("http", "https", "ftp")
 
 
 class Precision(str, Enum):
@@ -95,6 +100,9 @@ class DataConfig:
     tokenizer_train_chars: int = 100_000_000
     # The text column of .parquet files, the text field of .jsonl(.gz) files.
     text_column: str = "text"
+    # A resume on another corpus than its snapshot's (other text, another val_fraction) is
+    # refused; true goes on with this one, the epoch in progress from its first window.
+    continue_on_new_corpus: bool = False
 
 
 @dataclass
@@ -145,7 +153,14 @@ class TrainerConfig:
     snapshot_every_minutes: Optional[float] = None
     keep_last: int = 2
     snapshot_path: Optional[str] = None
+    # Resume from a snapshot that failed the end-of-run check (the ranks' parameters
+    # differed): refused unless set, as its weights are rank 0's and may be wrong.
+    resume_failed_check: bool = False
     seed: int = 1337
+    # A resume under other values of the settings that define the result (model.*,
+    # optimizer.*, batch_size, grad_accum_steps, seed, grad_clip) is refused; true goes on
+    # under these values, logged (after a seed change the epoch in progress starts over).
+    continue_with_new_settings: bool = False
     compile: Optional[bool] = None  # null: on for CUDA, off on CPU
     # Bit-identical resumes on GPUs too: deterministic kernels (or an error naming the op),
     # a fixed cuBLAS workspace, cuDNN and inductor without autotuning (determinism.py). Slower.
@@ -239,22 +254,93 @@ def compose(overrides: list[str], job_name: str = "mingpt_ddp"):
             cfg = hydra_compose("config", overrides=overrides)
         validate(cfg)  # reads every value: an interpolation that cannot resolve fails here
     except (HydraException, OmegaConfBaseException) as exc:  # an unknown key, group option, type or interpolation
-        raise ConfigError(f"{_without_secrets(str(exc), overrides)} (see docs/configuration.md for the keys "
-                          "and their types)") from None
+        raise override_error(exc, overrides) from None
     return cfg
 
 
-def _without_secrets(message: str, overrides: list[str]) -> str:
-    """Hydra's first two lines (what failed, and why), with the values of secret-named keys
-    and URL credentials masked: Hydra quotes the override it could not apply."""
+def override_error(exc: BaseException, overrides: list[str]) -> ConfigError:
+    """The one line for a config Hydra could not compose (an unknown key or preset, a wrong
+    type, an override's syntax): what failed, why (the OmegaConf error under it, its key)
+    and Hydra's hint, with the values of secret-named keys and URL credentials masked, since
+    Hydra quotes the override it could not apply."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    parts: list[str] = []
+    for line in str(exc).split("\n"):
+        if line.startswith("Config search path:"):
+            break
+        if line.startswith("\t") and parts:  # a preset's available options, one a line
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line.strip()
+        elif line.strip() and not line.strip().startswith(("reference_type=", "object_type=")):
+            parts.append(line.strip().rstrip("."))
+    cause = exc.__cause__
+    if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
+        parts.insert(1, str(cause).strip().splitlines()[0].rstrip("."))
+    return ConfigError(f"{_without_secrets('; '.join(parts), overrides)} (see docs/configuration.md for the keys "
+                       "and their types)")
+
+
+def _without_secrets(text: str, overrides: list[str]) -> str:
+    """`text` with the values of secret-named keys and URL credentials masked."""
     from mingpt_ddp.checkpoint import storage
 
-    text = "; ".join(line.strip() for line in message.splitlines()[:2] if line.strip())
     for override in overrides:
         key, _, value = override.partition("=")
         if value and storage.is_secret_name(key.rsplit(".", 1)[-1]):
-            text = text.replace(value, storage.REDACTED)
+            for shown in {value, value.strip().strip("'\"")} - {""}:
+                text = text.replace(shown, storage.REDACTED)
     return storage.redact(text)
+
+
+class BadOverrides(BaseException):
+    """A command line Hydra could not compose into a config, as the one ConfigError to
+    print. A BaseException: Hydra's own report (which prints the override back as given,
+    a presigned URL's signature included) catches only Exceptions."""
+
+    def __init__(self, error: ConfigError):
+        super().__init__(str(error))
+        self.error = error
+
+
+@contextlib.contextmanager
+def hydra_errors_in_one_line(task: Callable[..., Any], overrides: list[str]) -> Iterator[None]:
+    """While a @hydra.main app (`task`) runs: an error of Hydra's in composing the config
+    from the command line, a run's or any point's of a sweep, raises BadOverrides instead
+    of Hydra printing it (a multi-line message quoting the override as typed, exit 1).
+    Exceptions that passed through `task` (a bug in it) keep Hydra's report. Hydra offers no
+    hook for this: its reporting function (hydra._internal.utils.run_and_report) is wrapped
+    while the app runs; a Hydra without it keeps its own report."""
+    from hydra._internal import utils as hydra_utils
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    report = getattr(hydra_utils, "run_and_report", None)
+    task_code = inspect.unwrap(task).__code__
+    if report is None:
+        yield
+        return
+
+    def from_task(exc: BaseException) -> bool:
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code is task_code:
+                return True
+            tb = tb.tb_next
+        return False
+
+    def checked(func: Callable[[], Any]) -> Any:
+        try:
+            return func()
+        except (HydraException, OmegaConfBaseException) as exc:
+            if from_task(exc):
+                raise
+            raise BadOverrides(override_error(exc, overrides)) from None
+
+    hydra_utils.run_and_report = lambda func: report(lambda: checked(func))
+    try:
+        yield
+    finally:
+        hydra_utils.run_and_report = report
 
 
 def run_id() -> str:
@@ -309,6 +395,25 @@ def _positive(value: Any, name: str, fix: str) -> None:
         raise ConfigError(f"{name} must be positive, got {value}: {fix}")
 
 
+def _check_download_url(url: Optional[str]) -> None:
+    """A URL urllib fetches from a server, before the run starts: a local path or a
+    mistyped scheme is an error now, not a download retried for minutes. The message
+    names only the scheme (a presigned URL's query is a secret)."""
+    if url is None:
+        return
+    try:
+        parts = urlsplit(str(url))
+    except ValueError as exc:
+        raise ConfigError(f"data.download_url is not a URL ({exc}): write it as https://<host>/<path>") from None
+    if parts.scheme.lower() not in DOWNLOAD_SCHEMES:
+        got = f"{parts.scheme}://" if parts.scheme else "a path without a scheme"
+        raise ConfigError(f"data.download_url must be an http://, https:// or ftp:// URL, not {got}: fix its scheme "
+                          "(a file on this machine goes in data.path, without data.download_url)")
+    if not parts.hostname:
+        raise ConfigError(f"data.download_url names no host ({parts.scheme}:///...): write it as "
+                          f"{parts.scheme}://<host>/<path>")
+
+
 def validate(cfg: Any) -> None:
     """Checks that types alone cannot express; each message names the fix."""
     m, d, o, t = cfg.model, cfg.data, cfg.optimizer, cfg.trainer
@@ -330,6 +435,7 @@ def validate(cfg: Any) -> None:
         raise ConfigError("data.text_column must name the text column of the .parquet / field of the .jsonl files")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (e.g. 0.1)")
+    _check_download_url(d.download_url)
     _positive(o.lr, "optimizer.lr", "set optimizer.lr, e.g. optimizer.lr=6e-4")
     if o.min_lr < 0 or o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} must be between 0 and optimizer.lr={o.lr}")

@@ -14,6 +14,8 @@ import socket
 import sys
 from typing import Optional
 
+from mingpt_ddp.errors import ConfigError, record  # standard library only
+
 # import name -> pip requirement (floors as in pyproject.toml)
 PACKAGES = {
     "hydra": "hydra-core>=1.3",
@@ -25,7 +27,7 @@ PACKAGES = {
     "yaml": "PyYAML",
     "antlr4": "antlr4-python3-runtime",
 }
-EXIT_CODE = 2  # as ConfigError: the user can fix it
+EXIT_CODE = ConfigError.exit_code  # the user can fix it
 
 # The oldest torch release with every torch API this code uses (pyproject.toml says the
 # same; tests/test_torch_floor.py ties them together). What needs which release:
@@ -59,8 +61,10 @@ def require(*modules: str) -> None:
         except (ImportError, ValueError):
             found = False
         if not found:
+            message = missing_message(module)
+            record(ConfigError, message.removeprefix("error: "))
             if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":  # torchrun, or plain srun
-                print(missing_message(module), file=sys.stderr, flush=True)
+                print(message, file=sys.stderr, flush=True)
             sys.exit(EXIT_CODE)
 
 
@@ -120,6 +124,7 @@ def require_torch() -> None:
     message = torch_too_old_message(torch_version(spec))
     if message is None:
         return
+    record(ConfigError, message.removeprefix("error: "))
     if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
         print(message, file=sys.stderr, flush=True)
     sys.exit(EXIT_CODE)

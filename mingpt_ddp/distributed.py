@@ -282,11 +282,20 @@ def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_
 LOST_PEERS_EXIT_CODE = 3
 
 
+class LostPeers(Exception):
+    """Another process of the job has gone (the node hosting the rendezvous store, a rank this
+    one waited on): a symptom, not this rank's failure. Ends like a failed collective, exit 3
+    with no class recorded, so the launchers judge the process that died (a crash, a lost
+    node) and not a RunError that only reports it (which train.sbatch would requeue at once)."""
+
+
 def communication_failure(exc: BaseException) -> Optional[str]:
     """One line for a collective or the job's store failing because another rank or the
     network went away (a node died, a link went down, a peer timed out); None for anything
     else. c10d raises DistError (NCCL, the store); gloo raises a RuntimeError from its TCP
     transport ("Connection closed by peer", "Timed out waiting ... for recv")."""
+    if isinstance(exc, LostPeers):
+        return str(exc)
     text = str(exc).strip()
     if not (isinstance(exc, torch_dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)):
         return None
@@ -406,8 +415,8 @@ def _await(keys: list[str], what: str, hint: str = "") -> list[tuple[str, Any]]:
     except UserFacingError:
         raise
     except Exception as exc:
-        raise RunError(f"lost the job's rendezvous store while waiting for {what} ({type(exc).__name__}): "
-                          "the node that hosts it has gone; run the same command to resume") from None
+        raise LostPeers(f"lost the job's rendezvous store while waiting for {what} ({type(exc).__name__}): "
+                        "the node that hosts it has gone; run the same command to resume") from None
     return outcomes
 
 

@@ -3,7 +3,8 @@
 Each is a :class:`Sink` that rank 0's MetricsLog sends every metrics record to (the same
 records as metrics.jsonl, which is always written). A sink gets the run's resolved config
 (secrets redacted) and its directory when it opens, the scalars of each record with their
-step, and how the run ended when it closes. Adding a tracker means adding a Sink here and
+step, and how the run ended when it closes; nothing else of the process reaches a tracker
+(W&B's own capture of the command line, git state and code is off: WANDB_CAPTURE_OFF). Adding a tracker means adding a Sink here and
 a file in conf/logger/.
 
 A resumed run continues the same MLflow / W&B run: the ids are kept in
@@ -97,7 +98,7 @@ class TensorBoardSink(Sink):
 
         self.writer = SummaryWriter(directory)
         params = "\n".join(f"    {k}: {v}" for k, v in flatten(config).items())
-        self.writer.add_text("config", f"    run_dir: {os.path.abspath(run_dir)}\n{params}")
+        self.writer.add_text("config", f"    run_dir: {storage.redact(os.path.abspath(run_dir))}\n{params}")
 
     def write(self, step: int, values: dict[str, float]) -> None:
         for key, value in values.items():
@@ -158,7 +159,7 @@ class MLflowSink(Sink):
         if run is None:
             experiment = self.client.get_experiment_by_name(cfg.experiment)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
-            run = self.client.create_run(experiment_id, run_name=cfg.run_name or run_label(run_dir))
+            run = self.client.create_run(experiment_id, run_name=storage.redact(cfg.run_name or run_label(run_dir)))
             logged: dict[str, str] = {}
         else:
             self.client.update_run(run.info.run_id, status="RUNNING")
@@ -169,7 +170,10 @@ class MLflowSink(Sink):
         # Parameters cannot change in MLflow: a resume with other settings records them as tags.
         new = [Param(k, v[:6000]) for k, v in params.items() if k not in logged]
         changed = [RunTag(f"resumed_with.{k}", v[:5000]) for k, v in params.items() if k in logged and logged[k] != v[:6000]]
-        tags = [RunTag("mingpt_ddp.run_dir", os.path.abspath(run_dir)), RunTag("mingpt_ddp.run_id", run_label(run_dir))]
+        # Created through MlflowClient, the run has no tags of MLflow's own context (the
+        # fluent API's mlflow.source.name, git commit, ...): only these, redacted like the params.
+        tags = [RunTag("mingpt_ddp.run_dir", storage.redact(os.path.abspath(run_dir))),
+                RunTag("mingpt_ddp.run_id", storage.redact(run_label(run_dir)))]
         for start in range(0, max(len(new), 1), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=new[start:start + 100], tags=tags + changed if start == 0 else [])
 
@@ -203,13 +207,14 @@ class WandbSink(Sink):
         import wandb
 
         run_id = (previous or {}).get("id") or uuid.uuid4().hex[:12]
+        settings = _wandb_settings(wandb)
         try:
             self.run = wandb.init(
-                project=cfg.project, entity=cfg.entity, name=cfg.run_name or run_label(run_dir), id=run_id,
-                resume="allow", dir=os.path.abspath(run_dir), mode=cfg.mode or os.environ.get("WANDB_MODE") or "online",
-                config={**_redacted_values(config), "run_dir": os.path.abspath(run_dir)}, allow_val_change=True,
-                # console="off": the progress bar and log lines stay ours; W&B still records metrics.
-                settings=wandb.Settings(console="off", silent=True),
+                project=cfg.project, entity=cfg.entity, name=storage.redact(cfg.run_name or run_label(run_dir)),
+                id=run_id, resume="allow", dir=os.path.abspath(run_dir),
+                mode=cfg.mode or os.environ.get("WANDB_MODE") or "online",
+                config={**_redacted_values(config), "run_dir": storage.redact(os.path.abspath(run_dir))},
+                allow_val_change=True, settings=settings,
             )
         except Exception as exc:
             raise ConfigError(
@@ -227,6 +232,28 @@ class WandbSink(Sink):
 
     def close(self, outcome: str) -> None:
         self.run.finish(exit_code=0 if outcome in ("finished", "stopped") else 1)
+
+
+# What W&B would record of the process by itself: its metadata (the command line as given,
+# a presigned URL's signature included; the program, host, OS), the git state (a remote's
+# URL may carry a token), the code and pip's requirements (a package installed from a URL
+# with credentials). None of it is redacted, so none of it is captured: the run gets the
+# redacted config and the metrics, nothing else.
+WANDB_CAPTURE_OFF = {"x_disable_meta": True, "disable_git": True, "disable_code": True, "save_code": False,
+                     "x_save_requirements": False}
+
+
+def _wandb_settings(wandb: Any) -> Any:
+    """console="off": the progress bar and log lines stay ours (W&B still records metrics);
+    nothing of the process is captured (WANDB_CAPTURE_OFF). A wandb without these settings
+    would capture the command line: refused, naming the upgrade."""
+    known = getattr(wandb.Settings, "model_fields", {})
+    missing = [name for name in WANDB_CAPTURE_OFF if name not in known]
+    if missing:
+        raise ConfigError(f"logger=wandb needs a wandb whose settings can turn off {', '.join(missing)} (this "
+                          f"wandb {getattr(wandb, '__version__', '?')} would upload the command line, which may "
+                          "hold secrets): pip install -U wandb")
+    return wandb.Settings(console="off", silent=True, **WANDB_CAPTURE_OFF)
 
 
 def _store_dir(run_dir: str) -> str:

@@ -11,18 +11,23 @@ what happened                                          exit code
 trained to the end, or found the run finished earlier  0
 stopped by SIGTERM/SIGUSR1 after a snapshot            0 (Slurm requeues; torchrun does not restart)
 stopped by Ctrl-C after a snapshot                     130 alone, 0 as a torchrun worker
-bad input (ConfigError) or a failed run (RunError)     2, one ``error:`` line from the rank that hit it
-a sweep that went on past failed points                2 at its end, naming the points
+bad input (ConfigError)                                2, one ``error:`` line from the rank that hit it
+a failed run (RunError): worth retrying                4, the same
+a sweep that went on past failed points                2 at its end if one failed with a ConfigError,
+                                                       else 4 (a requeue resumes the failed ones)
 a peer or the network lost (a collective failed)       3, one line
 a bug                                                  its traceback (torchrun's summary names the rank)
 =====================================================  ==========================================
+
+A ConfigError or RunError is also recorded where the launchers read it (errors.record):
+mingpt_ddp.tools.torchrun exits with the class's code whichever worker exited first, and
+launch/train.sbatch requeues a RunError, never a ConfigError.
 """
 from __future__ import annotations
 
 import dataclasses
 import gc
 import hashlib
-import json
 import logging
 import os
 import shlex
@@ -68,14 +73,17 @@ from mingpt_ddp import config, distributed, loggers, parallel, preemption, profi
 from mingpt_ddp.checkpoint import run_dir as run_dir_check, storage
 from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
+from mingpt_ddp.corpus import identity as corpus_identity
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
+from mingpt_ddp import errors
 from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import Locks, RunLock
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
-from mingpt_ddp.tools.sweep import RESULT_FILE, write_result
+from mingpt_ddp.tools.runs import read_result
+from mingpt_ddp.tools.sweep import write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -96,6 +104,24 @@ def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataC
         now = f"data.tokenizer={kind}" + (f" data.vocab_size={cfg.vocab_size}" if kind == "bpe" else "")
         raise ConfigError(f"snapshot {where} was trained with {was} but the config says {now}: set {was} to resume "
                           "it, or start a new run (new hydra.run.dir / trainer.snapshot_path)")
+
+
+def check_not_failed(snapshot: dict[str, Any], where: str, cfg: config.TrainerConfig, dist: DistEnv) -> None:
+    """A snapshot marked as failing the end-of-run check (the ranks' parameters differed) is
+    neither a finished run nor one to resume, unless trainer.resume_failed_check says so."""
+    failed = snapshot.get("failed_check")
+    if not failed:
+        return
+    message = failed.get("message") if isinstance(failed, dict) else failed
+    if not cfg.resume_failed_check:
+        raise ConfigError(
+            f"snapshot {where} failed the end-of-run check ({message}), so it is not a finished run "
+            "and its weights (rank 0's) may be wrong: compare the nodes' environments, then set "
+            "trainer.resume_failed_check=true to resume from it anyway, or start a new run (new hydra.run.dir / "
+            "trainer.snapshot_path)")
+    if dist.is_main:
+        log.warning("snapshot %s failed the end-of-run check (%s): taken as it is (trainer.resume_failed_check=true)",
+                    where, message)
 
 
 
@@ -174,8 +200,8 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
         )
 
 
-def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> tuple[str, Optional[float], str]:
-    """One run (or one sweep point): returns (status, final val loss, snapshot URL)."""
+def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> "Outcome":
+    """One run (or one sweep point): how it ended."""
     config.validate(cfg)
     loggers.check(cfg)  # the trackers asked for are installed (the schema itself knows no tracker)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
@@ -226,34 +252,94 @@ def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options:
 
 class RunData(NamedTuple):
     """What the run trains on: the corpus (in the ids the weights use), its tokenizer, the
-    vocabulary the snapshots record, and the model's shape."""
+    vocabulary the snapshots record, the model's shape, and the corpus's identity
+    (corpus/identity.py) that snapshots and results record."""
     corpus: Any
     tokenizer: Any
     vocab: Any
     model_cfg: GPTConfig
+    identity: dict[str, Any]
+
+
+class Outcome(NamedTuple):
+    """How a run (or sweep point) ended: its status, final val loss, snapshot URL, and the
+    identity of the corpus it trained on (None when it never got that far)."""
+    status: str
+    val_loss: Optional[float]
+    snapshot: Optional[str]
+    corpus: Optional[dict[str, Any]] = None
 
 
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
                      ddp_files: Optional[SnapshotStore] = None,
-                     lock: Optional[Locks] = None) -> tuple[str, Optional[float], str]:
+                     lock: Optional[Locks] = None) -> Outcome:
     """`saves_to`: the store this run saves to (and resumes from); `ddp_files`: the DDP
     snapshots an FSDP run starts from; `lock`: the run locks rank 0 holds (losing one stops the run).
     Every rank goes through the same steps in the same order: each has collectives."""
     found = load_agreed_snapshot(ddp_files or saves_to, dist)
     data = build_data(cfg, dist, found)
+    resume = None
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
         optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
         on_every_rank(lambda: check_compatible(found.snapshot, found.where, data.model_cfg, data.corpus.vocab,
                                                optimizer), dist)
-        finished = finished_earlier(cfg, dist, found)
+        on_every_rank(lambda: check_not_failed(found.snapshot, found.where, cfg.trainer, dist), dist)
+        corpus = corpus_identity.compare(found.snapshot.get("corpus"),
+                                         (found.snapshot.get("config") or {}).get("data"), data.identity)
+        if corpus.note and dist.is_main:  # the same text elsewhere, or a snapshot older than corpus identities
+            log.info("snapshot %s: %s", found.where, corpus.note)
+        finished = finished_earlier(cfg, dist, found, corpus.changed)
         if finished is not None:  # recognised before building anything: sweeps skip it fast
-            return "finished earlier", finished.last_val_loss, saves_to.url
+            return Outcome("finished earlier", finished.last_val_loss, saves_to.url, found.snapshot.get("corpus"))
+        resume = on_every_rank(lambda: check_same_run(cfg, found, corpus), dist)
         if data.vocab != data.corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab)
-            data = data._replace(corpus=corpus, tokenizer=tok)
-    return run_training(cfg, dist, run_dir, saves_to, ddp_files, lock, found, data)
+            corpus_now, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab)
+            data = data._replace(corpus=corpus_now, tokenizer=tok)
+    return run_training(cfg, dist, run_dir, saves_to, ddp_files, lock, found, data, resume)
+
+
+class ResumeCheck(NamedTuple):
+    """What a resume logs about the run it continues, whether the epoch in progress starts
+    over (its saved position indexes windows of another corpus or another seed's order), and
+    whether the corpus is a new one (its validation losses are not the snapshot's)."""
+    notes: list[str]
+    restart_epoch: bool
+    new_corpus: bool = False
+
+
+def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identity.Comparison) -> ResumeCheck:
+    """A resume continues the run its snapshot holds. On another corpus, or under other
+    values of the settings that define the result (RESULT_KEYS), it is refused in one line
+    naming what changed, unless the config asks to go on (data.continue_on_new_corpus,
+    trainer.continue_with_new_settings): then the log says so, and the epoch in progress
+    starts over where its saved position no longer means the same windows."""
+    notes: list[str] = []
+    restart = False
+    if corpus.changed:
+        if not cfg.data.continue_on_new_corpus:
+            raise ConfigError(
+                f"the corpus changed since the snapshot {found.where}: {corpus.changed}: resume on the text and data "
+                "settings it was trained on, set data.continue_on_new_corpus=true to train on this corpus from the "
+                "start of the epoch in progress, or start a new run (another hydra.run.dir / trainer.snapshot_path)")
+        notes.append(f"continuing on a new corpus (data.continue_on_new_corpus=true): {corpus.changed}; the epoch in "
+                     "progress starts again from its first window, and the best validation loss afresh")
+        restart = True
+    changed = settings_changed(found.snapshot.get("config"), cfg)
+    if changed:
+        if not cfg.trainer.continue_with_new_settings:
+            raise ConfigError(
+                f"snapshot {found.where} was trained under other settings than this config's "
+                f"({'; '.join(changed[:3])}{'; ...' if len(changed) > 3 else ''}): give the settings it was trained "
+                "with to resume it, set trainer.continue_with_new_settings=true to continue it under these, or start "
+                "a new run (another hydra.run.dir / trainer.snapshot_path)")
+        reseeded = any(c.startswith("trainer.seed=") for c in changed)
+        notes.append(f"continuing under other settings than the snapshot's (trainer.continue_with_new_settings=true): "
+                     f"{'; '.join(changed)}" + ("; the epoch in progress starts again from its first window (another "
+                                                "seed orders its windows otherwise)" if reseeded and not restart else ""))
+        restart = restart or reseeded
+    return ResumeCheck(notes, restart, new_corpus=bool(corpus.changed))
 
 
 def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) -> RunData:
@@ -263,22 +349,32 @@ def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) 
         check_same_tokenizer(found.snapshot, found.where, cfg.data)
         if (found.snapshot.get("tokenizer") or {}).get("kind", "char") != "char":
             saved_tokenizer = found.snapshot["tokenizer"]  # encode with exactly the run's BPE / GPT-2 tokenizer
-    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, tokenizer_state=saved_tokenizer)
+    corpus, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes,
+                                          tokenizer_state=saved_tokenizer)
     vocab = corpus.vocab
     if found is not None and saved_tokenizer is None:
         vocab = Vocabulary(found.snapshot["vocab"])
     model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
-    return RunData(corpus, tok, vocab, model_cfg)
+    shown = storage.redacted_config(OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True))
+    identity = corpus_identity.identity(token_file.text_sha256, len(corpus.train_tokens), len(corpus.val_tokens), shown)
+    return RunData(corpus, tok, vocab, model_cfg, identity)
 
 
-def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot) -> Optional[TrainState]:
-    """The snapshot's state if it ended its run (under this config's limits), else None."""
+def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
+                     corpus_changed: Optional[str] = None) -> Optional[TrainState]:
+    """The snapshot's state if it ended its run (under this config's limits), else None.
+    `corpus_changed`: how the corpus differs from the one it was trained on (corpus/identity.py)."""
     lifted = time_budget.lift_changed_plan(found.snapshot, cfg.trainer.time_budget_minutes)
     if lifted and dist.is_main:
         log.info(lifted)
     state = TrainState(**found.snapshot["train_state"])
     if not is_finished(state, cfg.trainer):
         return None
+    if corpus_changed:  # its loss is another text's, whatever data.continue_on_new_corpus says
+        raise ConfigError(
+            f"the run at {found.where} finished on another corpus than this config's ({corpus_changed}): its result "
+            "is not this corpus's. Start a new run (another hydra.run.dir / hydra.sweep.dir), or give the text and "
+            "data settings it was trained on")
     changed = settings_changed(found.snapshot.get("config"), cfg)
     if changed:  # its loss would be credited to settings it never trained with (a reordered sweep)
         raise ConfigError(
@@ -294,25 +390,29 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot) -> O
     return state
 
 
-# What a finished run's result depends on, beyond what check_compatible compares (shape,
-# vocabulary, optimizer): a run under other values of these did not train what it reports.
+# What a run's result depends on, beyond what check_compatible compares (shape, vocabulary,
+# optimizer) and the corpus (corpus/identity.py): a run under other values of these did not
+# train what it reports, so a finished run is not reported for them and a resume under them
+# is refused (check_same_run) unless trainer.continue_with_new_settings says to go on.
 RESULT_KEYS = ("model.", "optimizer.", "data.block_size", "trainer.batch_size", "trainer.grad_accum_steps",
                "trainer.seed", "trainer.grad_clip")
 
 
 def settings_changed(saved: Any, cfg: DictConfig) -> list[str]:
     """`key: saved -> now` for the RESULT_KEYS whose value differs from the snapshot's config
-    (none when the snapshot records no config)."""
+    (none when the snapshot records no config). A key its config lacks was added since it was
+    written: its default is what that run trained with, so it is not a change."""
     if not isinstance(saved, dict):
         return []
     before = config.flat_resolved(saved)
     now = config.flat_resolved(storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
-    return [f"{key}={before.get(key)!r} then, {now.get(key)!r} now" for key in sorted(set(before) | set(now))
-            if key.startswith(RESULT_KEYS) and before.get(key) != now.get(key)]
+    return [f"{key}={before[key]!r} then, {now[key]!r} now" for key in sorted(set(before) & set(now))
+            if key.startswith(RESULT_KEYS) and before[key] != now[key]]
 
 
 def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_files: Optional[SnapshotStore],
-                 lock: Optional[Locks], found: Optional[AgreedSnapshot], data: RunData) -> tuple[str, Optional[float], str]:
+                 lock: Optional[Locks], found: Optional[AgreedSnapshot], data: RunData,
+                 resume: Optional[ResumeCheck] = None) -> Outcome:
     """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = parallel.build_model(cfg.trainer, data.model_cfg)  # under FSDP: on the meta device, shards filled in later
@@ -322,6 +422,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         "vocab": vocab.chars if isinstance(vocab, Vocabulary) else "",  # characters (as before tokenizers)
         "tokenizer": tok.to_dict(),  # what sample, export and a resume decode and encode with
         "model_config": dict(vars(data.model_cfg)),
+        "corpus": data.identity,  # what it trains on: a resume on other text is refused (corpus/identity.py)
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank
@@ -340,16 +441,19 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             # from the store it was found in: an FSDP run starting from DDP files reads them whole
             resumed_from = ddp_files or saves_to
             trainer.load_state_dict(resumed_from.complete(found.snapshot, found.where, trainer.strategy,
-                                                          trainer.optimizer))
+                                                          trainer.optimizer),
+                                    restart_epoch=resume is not None and resume.restart_epoch,
+                                    new_validation=resume is not None and resume.new_corpus)
             metrics.note(f"resumed from {found.where}: epoch {trainer.state.epoch}, step {trainer.state.step}"
                          + (" (a DDP snapshot: each rank took its shard; this run's snapshots are sharded, in "
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
+            for note in resume.notes if resume is not None else ():
+                metrics.note(note)
         metrics.total_steps = trainer.total_steps
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
-        global _trained
-        _trained = True  # from here the run's .hydra/ files describe what trained
+        run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -359,21 +463,23 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                 metrics.note(preview)
     finally:
         metrics.close(outcome)
-    return ("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}"), val_loss, saves_to.url
+    return Outcome("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}", val_loss,
+                   saves_to.url, data.identity)
 
 
-def how_to_resume(cfg: DictConfig, run_dir: str) -> str:
-    """What to run to resume: the same command, plus the directory unless the command names
-    it; else its run id decides (a timestamp, torchrun --standalone's random id, a new Slurm
-    job's id) and the same command would start over. (A requeued Slurm job keeps its id and
-    resumes by itself.)"""
+def how_to_resume(cfg: DictConfig, run_dir: str, what: str = "") -> str:
+    """What to run to resume `what` (e.g. "the sweep"; by default the run): the same command,
+    plus the directory unless the command names it; else its run id decides (a timestamp,
+    torchrun --standalone's random id, a new Slurm job's id) and the same command would start
+    over. (A requeued Slurm job keeps its id and resumes by itself.)"""
     hydra_cfg = HydraConfig.get()
     key = "hydra.sweep.dir" if hydra_cfg.mode == RunMode.MULTIRUN else "hydra.run.dir"
     named = any(o.lstrip("+~").split("=", 1)[0] == key for o in hydra_cfg.overrides.hydra)
+    resume = f"to resume {what}" if what else "to resume"
     if named or cfg.trainer.snapshot_path:
-        return "run the same command to resume"
+        return f"run the same command {resume}"
     where = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else run_dir
-    return f"run the same command with {shlex.quote(f'{key}={where}')} to resume"
+    return f"run the same command with {shlex.quote(f'{key}={where}')} {resume}"
 
 
 def _quiet_other_ranks(dist: DistEnv) -> None:
@@ -453,9 +559,8 @@ class _EndProcess(BaseException):
 
 
 _ran_by_cli = False  # main() runs inside run(): this process runs the whole sweep
-_trained = False  # this point began training (else its .hydra/ files go back to the earlier run's)
 _points_run = 0  # points of this process's sweep so far
-_failed_points: list[str] = []  # those that failed (the same on every rank)
+_failed_points: dict[str, type[UserFacingError]] = {}  # those that failed, and how (the same on every rank)
 
 
 def _stop_exit_code(signum: int) -> int:
@@ -481,15 +586,18 @@ def _report_error(message: str) -> None:
 def main(cfg: DictConfig) -> Optional[float]:
     """Train once, or one point of a multirun; returns the final validation loss (sweepers
     such as Optuna minimise it)."""
-    global _points_run, _trained
+    global _points_run
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
-    _trained = False
     started = time.time()
+    errors.record_start()  # launch/train.sbatch reads the records of the newest try only
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
+        warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
+        if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
+            log.warning(warning)
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -498,17 +606,20 @@ def main(cfg: DictConfig) -> Optional[float]:
         key = "hydra.sweep.dir" if in_sweep else "hydra.run.dir"
         distributed.on_main_then_share(lambda: run_dir_check.hold_run_dir(run_dir, key), dist)
         _check_ranks_resolved_the_same(cfg)
-        status, val_loss, snapshot = train(cfg, dist, run_dir)
+        status, val_loss, snapshot, corpus = train(cfg, dist, run_dir)
         error = ""
-    except UserFacingError as exc:  # bad input (ConfigError) or a failed run (RunError): one line, exit 2
-        if not _trained:
-            run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)
-        _report_error(storage.redact(str(exc)))
-        if not in_sweep or cfg.sweep.stop_on_failure:
+    except UserFacingError as exc:  # bad input (ConfigError, exit 2) or a failed run (RunError, 4): one line
+        error = storage.redact(str(exc))
+        ends_here = not in_sweep or cfg.sweep.stop_on_failure
+        if ends_here:  # first: once this rank's peers see it leave, the launcher may stop it at any moment
+            errors.record(exc, error)
+        run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)  # unless it began training
+        _report_error(error)
+        if ends_here:
             sys.exit(exc.exit_code)
-        status, val_loss, snapshot, error = "failed", None, None, storage.redact(str(exc))
+        status, val_loss, snapshot, corpus = "failed", None, None, None
         run_dir = HydraConfig.get().runtime.output_dir
-        _failed_points.append(str(HydraConfig.get().job.num))
+        _failed_points[str(HydraConfig.get().job.num)] = errors.class_of(exc)
     except Exception as exc:
         lost = distributed.communication_failure(exc)
         if lost is None:
@@ -520,10 +631,12 @@ def main(cfg: DictConfig) -> Optional[float]:
         distributed.release_cached_memory()
     if status == "finished earlier":
         run_dir_check.restore_hydra_files(run_dir)
-    already_recorded = status == "finished earlier" and _recorded_as_finished(run_dir)
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
     if in_sweep and int(os.environ.get("RANK", "0")) == 0 and not already_recorded:
         write_result(run_dir, {"status": status, "val_loss": val_loss, "snapshot": snapshot,
-                               "wall_s": round(time.time() - started, 2), "error": error})
+                               "wall_s": round(time.time() - started, 2), "error": error, "corpus": corpus})
     # A stop signal ends the job, a sweep included: after the point it stopped (its snapshot
     # is saved), or after the point during whose end it came, never starting the next one.
     stopped_by = signal.Signals[status.split()[-1]] if status.startswith("stopped by ") else 0
@@ -532,7 +645,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     if stopped_by and in_sweep and int(os.environ.get("RANK", "0")) == 0:
         log.info("sweep stopped by %s after point %s: %s (finished points are skipped, a stopped one resumes "
                  "from its snapshot)", signal.Signals(stopped_by).name, HydraConfig.get().job.num,
-                 how_to_resume(cfg, run_dir).replace("to resume", "to resume the sweep"))
+                 how_to_resume(cfg, run_dir, "the sweep"))
     if stopped_by == signal.SIGINT or (stopped_by and in_sweep):
         if _ran_by_cli:  # a sweep of this process's own: through Hydra and torchrun's @record to run()
             raise _EndProcess(_stop_exit_code(stopped_by))
@@ -540,23 +653,25 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-def _recorded_as_finished(run_dir: str) -> bool:
-    """The point's result file records a finished run (its wall time is the one to keep); a
-    refused or failed attempt's record is replaced."""
-    try:
-        with open(os.path.join(run_dir, RESULT_FILE)) as f:
-            return json.load(f).get("status") in ("completed", "finished earlier")
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
+    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
+    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
+                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
     global _ran_by_cli
     _ran_by_cli = True
     try:
-        main()
+        with config.hydra_errors_in_one_line(main, sys.argv[1:]):
+            main()
+    except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
+        errors.record(bad.error, str(bad.error))  # before the wait below: the agent may stop this worker
+        if distributed.first_to_report(str(bad.error)):
+            print(f"error: {bad.error}", file=sys.stderr, flush=True)
+        else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
+            time.sleep(2)
+        distributed.shutdown(clean=False)
+        sys.exit(bad.error.exit_code)
     except _EndProcess as end:
         distributed.shutdown(clean=False)
         sys.exit(end.code)
@@ -566,11 +681,16 @@ def run() -> None:
     # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)
     if _failed_points:  # the sweep went on past them; its exit code still says it is not all done
+        # A ConfigError would fail again; points that only failed with RunErrors are worth a
+        # retry (a requeued sweep skips its finished points and runs the failed ones again).
+        failed_with = ConfigError if ConfigError in _failed_points.values() else errors.RunError
+        message = (f"{len(_failed_points)} of {_points_run} sweep points failed (point {', '.join(_failed_points)}"
+                   f"{'' if failed_with is ConfigError else ', all with a RunError'}): their errors are in the "
+                   "sweep's summary.md")
+        errors.record(failed_with, message)
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {len(_failed_points)} of {_points_run} sweep points failed "
-                  f"(point {', '.join(_failed_points)}): their errors are in the sweep's summary.md",
-                  file=sys.stderr, flush=True)
-        sys.exit(UserFacingError.exit_code)
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.exit(failed_with.exit_code)
 
 
 if __name__ == "__main__":

@@ -294,8 +294,9 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_process: Opt
 def window_loss_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
     """[summed loss (nats), targets, summed loss of the targets that stand for text, their
     UTF-8 bytes] of a batch of windows, in float64: what an evaluation adds up over its
-    windows and ranks. Special tokens (BPE's <|endoftext|>) stand for no text: they count
-    in val_loss, not in bits per byte (as nanochat counts them)."""
+    windows and ranks. A target of no bytes would count in val_loss only; <|endoftext|>
+    counts as the newline it stands for (tokenizer.byte_lengths), so bits per byte weighs the
+    same text, boundaries included, whatever the tokenizer."""
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                                reduction="none").double()
     nbytes = byte_lengths[targets.reshape(-1)].double()

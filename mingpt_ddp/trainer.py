@@ -12,8 +12,10 @@ Invariants a change here must keep:
   least every trainer.stop_check_seconds: signals, rank 0's time-based save, a failed save,
   a lost run lock). Evaluations (all_reduce_sum), saves (wait_for_main: rank 0 works, the
   others wait in the store, not in a collective), the metrics line (all_reduce_sum) and the
-  end-of-run fingerprint check all follow from those shared values. A rank-local condition
-  (a clock, a file, a signal seen by one rank) must go through the agreement first.
+  end-of-run fingerprint check (every rank gathers every fingerprint, so all take the same
+  answer; it runs before the last save, which records a failure) all follow from those
+  shared values. A rank-local condition (a clock, a file, a signal seen by one rank) must
+  go through the agreement first.
 - Bit-identical resume. A snapshot holds everything the next step depends on: model and
   optimizer state, scaler, TrainState (epoch, step, position in the epoch, the time budget's
   plan), every rank's RNG state and the global batch. The data order is a function of
@@ -40,7 +42,7 @@ from mingpt_ddp import determinism, distributed, parallel, precision
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
-from mingpt_ddp.errors import ConfigError, RunError
+from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
 from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
@@ -171,6 +173,7 @@ class Trainer:
         self._next_agreement = 1  # the step of the next one (the loop's measurements set it)
         self.grad_norm: Optional[torch.Tensor] = None  # the last step's, before clipping (when clipping)
         self.stopped_by: Optional[str] = None  # the signal's name once the ranks agreed to stop on one
+        self.failed_check: Optional[dict[str, str]] = None  # the end-of-run check, once it failed
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
         self.resume_hint = "run the same command (same run directory) to resume"  # main names the directory
@@ -271,16 +274,28 @@ class Trainer:
             "world_size": self.dist.world_size,
             "global_batch": self.global_batch,
             "precision": self.precision.name,  # what trainer.precision=auto chose: a resume keeps it
+            # The end-of-run check this state failed (None: none failed): a new start refuses it
+            # unless trainer.resume_failed_check=true (main.check_not_failed).
+            "failed_check": self.failed_check,
             **self.snapshot_metadata,
         }
 
-    def load_state_dict(self, snapshot: dict[str, Any]) -> None:
+    def load_state_dict(self, snapshot: dict[str, Any], restart_epoch: bool = False,
+                        new_validation: bool = False) -> None:
+        """`restart_epoch`: the saved position in the epoch indexes windows of another corpus or
+        another seed's order (a resume asked to go on after either changed): the epoch in
+        progress starts again from its first window; step, schedule and RNG carry on.
+        `new_validation`: the validation split is another text's, so its losses are forgotten."""
         configured = self._optimizer_settings()
         self.strategy.load_state_dicts(self.optimizer, snapshot)
         self._keep_configured_settings(configured)
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
+        if restart_epoch:
+            self.state.epoch_position = 0
+        if new_validation:
+            self.state.best_val_loss, self.state.last_val_loss = float("inf"), None
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         self._resume_global_batch(snapshot)
         rng_per_rank = snapshot["rng"]
@@ -444,7 +459,8 @@ class Trainer:
 
     def fit(self) -> Optional[float]:
         """Train until max_epochs or max_steps, or until asked to stop; return the final
-        validation loss (None when stopped early by a signal)."""
+        validation loss (None when stopped early by a signal). RunError when the ranks'
+        parameters differ at the end, after a last snapshot marked as failing that check."""
         self.metrics.note(
             f"training {self.model.num_params(non_embedding=False):,} parameters on {self.dist.world_size} "
             f"process(es) ({self.device.type}, {self.dist.backend}, {self.precision.name}): global batch "
@@ -465,9 +481,12 @@ class Trainer:
                 raise
             if self.stopped_by:
                 self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
+                if self.finished:  # stopped at its last step: a finished run's snapshot is checked first
+                    self.failed_check = self._check_ranks_agree()
                 stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
                 self.save()
                 self._wait_for_saves()
+                self._raise_if_check_failed()
                 self.metrics.note(
                     f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
                     f"snapshot: {self.resume_hint}"
@@ -477,10 +496,14 @@ class Trainer:
                 self.evaluate(final=True)
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
                               f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
+            # Checked before the last save (the loop leaves the last step's to this one), so that a
+            # run failing it never leaves a snapshot that looks finished: the state is kept (to
+            # diagnose, or to resume on purpose), marked.
+            self.failed_check = self._check_ranks_agree()
             stop_request.saving_last_snapshot(self._newest_saved, stopping=False)
             self.save()
             self._wait_for_saves()
-        self._check_ranks_agree()
+        self._raise_if_check_failed()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"
@@ -520,6 +543,8 @@ class Trainer:
                     if stop_signal:
                         return signal.Signals(stop_signal).name
                     save_now = save_now or save_due
+                # The last step's snapshot is fit()'s, after the final evaluation and the check.
+                save_now = save_now and not self.finished
                 if self.state.step % self.cfg.eval_every == 0 or save_now:
                     timer.pause()
                     if self.state.step % self.cfg.eval_every == 0:
@@ -534,7 +559,7 @@ class Trainer:
             timer.pause()
             if self._evaluated_at != self.state.step:
                 self.evaluate()
-            if self.state.epoch % self.cfg.save_every == 0:
+            if self.state.epoch % self.cfg.save_every == 0 and not self.finished:
                 self.save()
             timer.resume()
         return None
@@ -564,8 +589,9 @@ class Trainer:
         if lock_lost:
             lost = self.run_lock.lost if self.run_lock is not None else None
             raise RunError(distributed.broadcast_object(lost) or "rank 0 lost the run lock")
-        if save_failed:
-            raise RunError((self.saver.error if self.saver else None) or "saving snapshots failed on rank 0")
+        if save_failed:  # the failing rank's words on every rank: one `error:` line, not also "failed on rank 0"
+            said = [e for e in distributed.all_gather_object(self.saver.error if self.saver else None) if e]
+            raise RunError(said[0] if said else "saving snapshots failed")
         return int(stop_signal), save_due > 0
 
     def _wait_for_saves(self) -> None:
@@ -616,15 +642,25 @@ class Trainer:
             record["includes_compile"] = True  # this window's tokens/s and MFU are not steady state
         self.metrics.write(record)
 
-    def _check_ranks_agree(self) -> None:
-        """DDP keeps replicas identical (FSDP the shards' gathered model): prove it at the end."""
+    def _raise_if_check_failed(self) -> None:
+        """After the snapshot that records it: every rank raises, the run ends with exit code 2
+        (NeedsAPerson: not retried, a person compares the nodes)."""
+        if self.failed_check is not None:
+            raise NeedsAPerson(
+                f"{self.failed_check['message']}: the last snapshot holds rank 0's weights, marked as failing this "
+                "check (a new start refuses it): compare the nodes' environments, then resume it with "
+                "trainer.resume_failed_check=true or start a new run"
+            )
+
+    def _check_ranks_agree(self) -> Optional[dict[str, str]]:
+        """DDP keeps replicas identical (FSDP the shards' gathered model): prove it at the end.
+        None if it holds, else the failed check as the snapshot records it. Every rank gathers
+        every rank's fingerprint, so all take the same answer (and the same next collectives)."""
         prints = distributed.all_gather_object(self.strategy.fingerprint())
         if len(set(prints)) == 1:
             self.metrics.note(f"parameters identical on all {len(prints)} rank(s) (sha256 {prints[0]})")
-            return
+            return None
         by_rank = ", ".join(f"rank {r}: {p}" for r, p in enumerate(prints))
-        raise RunError(  # every rank raises it: the run ends with a non-zero exit, not a log line
-            f"parameters differ between ranks at the end of training ({by_rank}): the replicas diverged "
-            "(different code or data on some nodes, or a hardware fault); the last snapshot holds rank 0's "
-            "weights: compare the nodes' environments before trusting it"
-        )
+        return {"check": "parameters identical on all ranks",
+                "message": f"parameters differ between ranks at the end of training ({by_rank}): the replicas "
+                           "diverged (different code or data on some nodes, or a hardware fault)"}

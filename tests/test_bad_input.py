@@ -1,9 +1,10 @@
 """Bad input: one clear message naming the fix, non-zero exit, within seconds, no traceback."""
+import subprocess
 import time
 
 import pytest
 
-from conftest import TINY, load_snapshot, output, run_cli
+from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, run_cli
 
 
 def expect_error(args, pattern, code=2, cwd=None, nproc=0):
@@ -34,8 +35,12 @@ def test_missing_data_file_without_download(run_dir, tmp_path):
 
 @pytest.mark.cli
 def test_missing_data_file_with_unreachable_download_url(run_dir, tmp_path):
-    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt"],
+    """A server that refuses connections is retried for trainer.load_retry_minutes (a
+    moment's outage), then the same one clear line."""
+    text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=http://127.0.0.1:9/x.txt",
+                                                                "trainer.load_retry_minutes=0.02"],
                         "downloading it from http://127.0.0.1:9/x.txt failed")
+    assert "retrying" in text and "Connection refused" in text
     assert "set data.path" in text
     assert not (tmp_path / "nope.txt").exists()
 
@@ -70,7 +75,44 @@ def test_non_utf8_data_file(run_dir, tmp_path):
     ("model=gpt-huge", "Could not find 'model/gpt-huge'"),
 ])
 def test_hydra_rejects_wrong_types_unknown_keys_and_presets(run_dir, small_corpus, override, message):
-    expect_error(base(run_dir, small_corpus) + [override], message, code=1)
+    text = expect_error(base(run_dir, small_corpus) + [override], message)
+    assert len(text.splitlines()) == 1 and text.startswith("error: "), text  # ConfigError's one line, exit 2
+
+
+SIGNATURE = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9a0b1c2d3e4f5a6b7c8d"
+PRESIGNED = f'"https://host.example.com/corpus.txt?X-Amz-Expires=3600&X-Amz-Signature={SIGNATURE}"'
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("args, says", [
+    ([f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),  # Hydra's "did you mean +data.pth=..."
+    ([f"+data.path={PRESIGNED}"], "An item is already at 'data.path'"),
+    (["-m", "trainer.seed=1,2", f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),
+])
+def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, says):
+    """Hydra prints the override it could not apply back as typed, before any of our code
+    runs: main.py's is one masked line, ConfigError's exit 2, whether a run or a sweep."""
+    text = expect_error([*args, f"hydra.run.dir={run_dir}", f"hydra.sweep.dir={run_dir}"], says)
+    assert SIGNATURE not in text and len(text.splitlines()) == 1 and text.startswith("error: "), text
+    assert "X-Amz-Signature=<redacted>" in text or "X-Amz" not in text
+    assert not run_dir.exists()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("launcher", ["torchrun", "mingpt_ddp.torchrun"])
+def test_a_bad_override_under_torchrun_is_one_masked_line(run_dir, launcher):
+    args = [f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"]
+    if launcher == "torchrun":
+        proc = run_cli(args, nproc=2, timeout=120)
+    else:
+        proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", MAIN, *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    text = output(proc)
+    assert proc.returncode != 0 and SIGNATURE not in text, text
+    assert text.count("error: Could not override 'data.pth'; Key 'pth' not in 'DataConfig'") == 1, text
+    assert launcher != "torchrun" or "exitcode  : 2" in text, text  # the worker's: ConfigError's code
+    # our launcher reads the class each worker recorded, whichever worker the agent stopped first
+    assert launcher == "torchrun" or proc.returncode == 2, text
 
 
 @pytest.mark.cli
@@ -106,6 +148,96 @@ def test_snapshot_of_another_model_or_vocabulary_is_refused_and_kept(run_dir, sm
     expect_error(base(run_dir, other_text), "lacks")
     assert snap.read_bytes() == before
     assert load_snapshot(snap)["train_state"]["step"] == 2
+
+
+def refused_and_kept(args, run_dir, *says):
+    """A resume refused in one `error:` line holding every one of `says`: exit 2, no
+    traceback, the snapshots and the run's .hydra/ files as they were."""
+    kept = {p: p.read_bytes() for p in [*run_dir.glob("snapshot*.pt"), *(run_dir / ".hydra").iterdir()]}
+    text = expect_error(args, says[0])
+    errors = [line for line in text.splitlines() if "error:" in line]
+    assert len(errors) == 1 and all(s in errors[0] for s in says), text
+    assert {p: p.read_bytes() for p in kept} == kept
+    assert sorted(run_dir.glob("snapshot*.pt")) == sorted(p for p in kept if p.name.startswith("snapshot"))
+    return errors[0]
+
+
+def must_pass(args):
+    proc = run_cli(args, timeout=120)
+    assert proc.returncode == 0, output(proc)
+    return output(proc)
+
+
+@pytest.mark.cli
+def test_a_resume_on_a_changed_corpus_is_refused_unless_asked(run_dir, small_corpus, tmp_path):
+    """A shard added, a file changed, another data.val_fraction: the validation split would
+    hold trained-on text and the saved position would index another permutation. Refused in
+    one line naming what changed; data.continue_on_new_corpus=true goes on, the epoch in
+    progress from its first window, and says so. A finished run on another corpus is not
+    finished for this one; a snapshot from before corpus identities resumes, with a note."""
+    from mingpt_ddp.checkpoint.snapshot import decode, encode
+
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    text = small_corpus.read_text()
+    (corpus / "a.txt").write_text(text[:20_000])
+    (corpus / "b.txt").write_text(text[20_000:])
+    common = [*TINY, f"hydra.run.dir={run_dir}", f"data.path={corpus}"]
+    must_pass([*common, "trainer.max_steps=5"])
+    recorded = load_snapshot(run_dir / "snapshot.pt")["corpus"]
+    assert recorded["train_tokens"] + recorded["val_tokens"] == 40_001 and recorded["val_fraction"] == 0.1
+
+    (corpus / "c.txt").write_text("a shard added later\n")
+    refused_and_kept([*common, "trainer.max_steps=10"], run_dir, "the corpus changed since the snapshot",
+                     f"the text at data.path changed (sha256 {recorded['text_sha256'][:12]}.. then, ",
+                     "40,001 tokens then, 40,022 now", "data.continue_on_new_corpus=true")
+    (corpus / "c.txt").unlink()
+    (corpus / "a.txt").write_text(text[:19_999] + "!")  # one character, same size
+    refused_and_kept([*common, "trainer.max_steps=10"], run_dir, "the text at data.path changed")
+    (corpus / "a.txt").write_text(text[:20_000])
+    refused_and_kept([*common, "trainer.max_steps=10", "data.val_fraction=0.2"], run_dir,
+                     "data.val_fraction 0.1 then, 0.2 now")
+
+    (corpus / "c.txt").write_text("a shard added later\n")
+    log = must_pass([*common, "trainer.max_steps=10", "data.continue_on_new_corpus=true"])
+    said = [line for line in log.splitlines() if "continuing on a new corpus" in line]
+    assert len(said) == 1 and "the epoch in progress starts again from its first window" in said[0], log
+    snapshot = load_snapshot(run_dir / "snapshot.pt")
+    assert snapshot["train_state"]["step"] == 10
+    assert snapshot["train_state"]["epoch_position"] == 5 * 8  # 5 steps of 8 windows since the restart, not 10
+    assert snapshot["corpus"]["train_tokens"] + snapshot["corpus"]["val_tokens"] == 40_022
+
+    (corpus / "c.txt").unlink()  # finished at step 10, on the text with c.txt
+    refused_and_kept([*common, "trainer.max_steps=10", "data.continue_on_new_corpus=true"], run_dir,
+                     "finished on another corpus than this config's", "its result is not this corpus's")
+
+    # Written before snapshots recorded their corpus: its text cannot be compared, its data settings can.
+    newest = run_dir / "snapshot.step000000010.pt"
+    old = decode(newest.read_bytes())
+    del old["corpus"]
+    newest.write_bytes(encode(old, 10))
+    log = must_pass([*common, "trainer.max_steps=10"])
+    assert "the snapshot predates recorded corpus identities" in log and "run already finished" in log, log
+
+
+@pytest.mark.cli
+def test_a_resume_under_other_result_defining_settings_is_refused_unless_asked(run_dir, small_corpus):
+    """Another seed applies the saved position to another permutation; another lr trains
+    on under values the run's result will be credited to. Refused in one line naming them;
+    trainer.continue_with_new_settings=true goes on and says so (after a seed change, from
+    the start of the epoch in progress). Limits, cadence and logging change freely."""
+    common = [*TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}"]
+    must_pass([*common, "trainer.max_steps=5"])
+    refused_and_kept([*common, "trainer.max_steps=10", "trainer.seed=7", "optimizer.lr=1e-3"], run_dir,
+                     "was trained under other settings than this config's",
+                     "optimizer.lr=0.003 then, 0.001 now; trainer.seed=1337 then, 7 now",
+                     "trainer.continue_with_new_settings=true")
+    log = must_pass([*common, "trainer.max_steps=10", "trainer.seed=7", "trainer.continue_with_new_settings=true",
+                     "trainer.log_every=1", "trainer.snapshot_every_steps=3"])
+    said = [line for line in log.splitlines() if "continuing under other settings" in line]
+    assert len(said) == 1 and "trainer.seed=1337 then, 7 now; the epoch in progress starts again" in said[0], log
+    snapshot = load_snapshot(run_dir / "snapshot.pt")
+    assert snapshot["train_state"]["epoch_position"] == 5 * 8 and snapshot["config"]["trainer"]["seed"] == 7
 
 
 @pytest.mark.dist

@@ -62,3 +62,20 @@ def test_the_tiny_shakespeare_download_belongs_to_the_presets_own_path():
     assert composed("data.path=/fsx/x.txt", "data.download_url=http://h/x.txt").data.download_url == "http://h/x.txt"
     assert composed("data.download_url=null").data.download_url is None
     assert config.DataConfig().download_url is None  # a config built in Python downloads nothing by itself
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("url, message", [
+    ("file:///nonexistent/corpus.txt", "not file://"), ("htps://127.0.0.1:9/x.txt", "not htps://"),
+    ("/fsx/corpus.txt", "not a path without a scheme"), ("http:///x.txt", "names no host"),
+])
+def test_a_download_url_that_no_server_can_answer_is_refused_before_the_run(url, message):
+    """urllib reports a local path, a mistyped scheme and a missing host like a network
+    failure; the config says so in one line before anything is retried (review of issue
+    29, defect 8). The message shows the scheme only: the URL's query may hold a secret."""
+    cfg = composed("data.path=/fsx/x.txt", f"data.download_url={url}")
+    with pytest.raises(config.ConfigError, match=message) as err:
+        config.validate(cfg)
+    assert "\n" not in str(err.value) and "x.txt" not in str(err.value) and "corpus" not in str(err.value)
+    for good in ("https://h/x.txt?X-Amz-Signature=abc", "http://127.0.0.1:8000/x.txt", "ftp://h/x.txt"):
+        config.validate(composed("data.path=/fsx/x.txt", f"data.download_url='{good}'"))

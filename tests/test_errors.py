@@ -1,5 +1,8 @@
-"""Bad input and failed runs are distinct exception types with the same one-line, exit-2
-treatment, and a rank raises the type another rank raised."""
+"""Bad input and failed runs are distinct exception types with the same one-line treatment
+and their own exit codes (2: do not retry, 4: worth retrying), and a rank raises the type
+another rank raised."""
+import os
+
 import pytest
 
 from mingpt_ddp import distributed
@@ -14,9 +17,51 @@ def raising(exc):
     return fn
 
 
-def test_bad_input_and_run_failures_are_distinct_but_both_exit_2():
+def test_bad_input_and_run_failures_are_distinct_with_codes_of_their_own():
+    """2 is bad input (train.sbatch never requeues it), 4 a run that failed (requeued); neither
+    is 0, 1 (the launcher's own failures, Python's uncaught exception), 3 (a lost peer) or 130."""
+    from mingpt_ddp.distributed import LOST_PEERS_EXIT_CODE
+    from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE
+    from mingpt_ddp.tools.torchrun import RDZV_FAILED_EXIT
+
     assert not issubclass(RunError, ConfigError) and not issubclass(ConfigError, RunError)
-    assert ConfigError.exit_code == RunError.exit_code == UserFacingError.exit_code == 2
+    assert ConfigError.exit_code == UserFacingError.exit_code == 2 and RunError.exit_code == 4
+    assert RunError.exit_code not in (0, RDZV_FAILED_EXIT, ConfigError.exit_code, LOST_PEERS_EXIT_CODE,
+                                      INTERRUPTED_EXIT_CODE)
+
+
+def test_a_process_records_its_class_where_the_launchers_read_it(tmp_path, monkeypatch):
+    """errors.record: the worker's torchelastic error file names the class (a subclass of
+    ConfigError counts as one), replaced whole; MINGPT_STEP_ERRORS (train.sbatch's) gets a file
+    per class and try; without either, or where they cannot be written, nothing and no exception."""
+    import json
+
+    from mingpt_ddp.checkpoint.sharded_snapshot import CorruptShardedSnapshot
+    from mingpt_ddp.errors import STEP_ERRORS_ENV, record, recorded_class
+
+    worker = tmp_path / "attempt_0" / "0"
+    worker.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(worker / "error.json"))
+    monkeypatch.setenv(STEP_ERRORS_ENV, str(tmp_path / "run" / ".step_errors"))
+    record(CorruptShardedSnapshot("shard 3 is corrupt"), "shard 3 is corrupt")
+    assert recorded_class(json.loads((worker / "error.json").read_text())) is ConfigError
+    record(RunError, "saving snapshots has failed for 1 minutes")
+    data = json.loads((worker / "error.json").read_text())
+    assert recorded_class(data) is RunError and data["message"]["message"].startswith("RunError: saving snapshots")
+    assert sorted(os.listdir(worker)) == ["error.json"]
+    # in the directory of this try of the step (torchrun's restart count), so a later try's
+    # records are not mixed with an earlier one's
+    assert sorted(os.listdir(tmp_path / "run" / ".step_errors" / "try-0")) == ["ConfigError", "RunError"]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    record(RunError, "again")
+    assert sorted(os.listdir(tmp_path / "run" / ".step_errors" / "try-2")) == ["RunError"]
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "no-such-dir" / "error.json"))
+    monkeypatch.setenv(STEP_ERRORS_ENV, str(worker / "error.json" / "x"))  # under a file: cannot be made
+    record(ConfigError, "bad input")
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    monkeypatch.delenv(STEP_ERRORS_ENV)
+    record(ConfigError, "bad input")
+    assert recorded_class({"message": "<NONE>"}) is None and recorded_class("garbage") is None
 
 
 @pytest.mark.parametrize("error_type", [ConfigError, RunError])
@@ -64,3 +109,20 @@ def test_a_config_error_never_shows_a_secret_from_the_command_line(overrides):
         assert "SUPERSECRET123_UNSET" in message  # an environment variable's name is no secret: it says what to set
     else:
         assert "SUPERSECRET123" not in message, message
+
+
+def test_a_lost_rendezvous_store_is_a_lost_peer_not_a_run_error(monkeypatch):
+    """Waiting in the store whose host has gone (rank 0's node died, e.g. OOM-killed while it
+    encodes) is a symptom of another process dying: main() ends it like a failed collective
+    (exit 3, no class recorded), never as a RunError that train.sbatch would requeue at once."""
+    from torch.distributed import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+    monkeypatch.setattr(distributed, "_store", client)
+    del server  # the host is gone
+    with pytest.raises(Exception) as raised:
+        distributed._await(["mingpt_ddp/never"], "each node's first process preparing its data")
+    assert not isinstance(raised.value, UserFacingError), raised.value
+    line = distributed.communication_failure(raised.value)
+    assert line and line.startswith("lost the job's rendezvous store while waiting for each node's"), line

@@ -169,6 +169,7 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     assert f"resumed from {run}/snapshot.step000000002.pt: epoch 0, step 2 (a DDP snapshot" in text, text
     state, meta = full_model(run / "snapshot.pt")
     assert meta["train_state"]["step"] == 4
+    assert meta["corpus"] == load_snapshot(straight / "snapshot.pt")["corpus"]  # the sharded metadata records it too
     # The same steps as the DDP run, AdamW's moments included (lost moments would move each
     # weight by about the learning rate)
     reference = load_snapshot(straight / "snapshot.pt")["model"]
@@ -178,6 +179,10 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     expect_error(run_cli(args(run, small_corpus, "trainer.max_steps=4")),
                  "were saved with trainer.strategy=fsdp: resume them with trainer.strategy=fsdp")
     assert {p.name: p.read_bytes() for p in run.glob("snapshot*.pt")} == before
+    # and a sharded snapshot is not resumed on another split of the text
+    expect_error(run_cli(args(run, small_corpus, "trainer.max_steps=6", *fixed, "trainer.strategy=fsdp",
+                              "data.val_fraction=0.2")), "the corpus changed since the snapshot")
+    assert full_model(run / "snapshot.pt")[1]["train_state"]["step"] == 4
 
 
 @pytest.mark.dist

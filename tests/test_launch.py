@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -227,7 +228,15 @@ if [ "$1" = --help ]; then
   exit 0
 fi
 printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
-env | grep -E '^TORCH_(FR|NCCL)_' | sort >> "$FAKE_SRUN_LOG.env"
+env | grep -E '^(TORCH_(FR|NCCL)_|MINGPT_STEP_ERRORS=)' | sort >> "$FAKE_SRUN_LOG.env"
+for error_class in ${FAKE_STEP_ERRORS:-}; do  # [try:]class: what a worker that ended with it records (errors.record)
+  try=0; case "$error_class" in *:*) try=${error_class%%:*} error_class=${error_class#*:} ;; esac
+  TORCHELASTIC_RESTART_COUNT=$try "$FAKE_PYTHON" -c "import sys; from mingpt_ddp import errors; errors.record_start(); errors.record(errors.by_name(sys.argv[1]), 'x')" "$error_class"
+done
+for try in ${FAKE_TRIES_STARTED:-}; do  # a try of the step whose workers started (and recorded nothing)
+  TORCHELASTIC_RESTART_COUNT=$try "$FAKE_PYTHON" -c "from mingpt_ddp import errors; errors.record_start()"
+done
+[ -n "${FAKE_SNAPSHOT_STEP:-}" ] && "$FAKE_PYTHON" -c "import sys; from mingpt_ddp import errors; errors.record_progress(int(sys.argv[1]))" "$FAKE_SNAPSHOT_STEP"
 exit "${FAKE_SRUN_EXIT:-0}"
 '''
 
@@ -243,8 +252,10 @@ def fake_sbatch_run(tmp_path: Path, *args: str, scontrol: str = "exit 1\n",
     log = tmp_path / "srun.args"
     for stale in (log, Path(f"{log}.env")):
         stale.unlink(missing_ok=True)
+    (tmp_path / "submit").mkdir(exist_ok=True)  # the job's records go under it (.mingpt-step/)
     env = clean_env(**{"PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_SRUN_LOG": str(log), "SLURM_JOB_ID": "777",
-                       "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_SUBMIT_DIR": str(REPO),
+                       "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+                       "SLURM_SUBMIT_DIR": str(tmp_path / "submit"), "FAKE_PYTHON": sys.executable,
                        "REPO_DIR": str(REPO), "HYPERPOD_MARKER": str(tmp_path / "no-such-dir"), **settings})
     proc = subprocess.run(["bash", str(SBATCH_SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60, env=env)
@@ -309,7 +320,7 @@ echo "$*" >> "$FAKE_SCONTROL_LOG"
 case "$1 $2" in
   "show job") echo "JobId=777 JobName=mingpt"; echo "   OverSubscribe=${FAKE_OVERSUBSCRIBE:-NO} Contiguous=0" ;;
   "show node") echo "NodeName=n1 Arch=x86_64 CoresPerSocket=48 Gres=${FAKE_GRES:-gpu:h100:8(S:0-1)} NodeAddr=n1" ;;
-  "requeue 777") exit "${FAKE_REQUEUE_EXIT:-0}" ;;
+  "requeue $SLURM_JOB_ID") exit "${FAKE_REQUEUE_EXIT:-0}" ;;
   *) exit 1 ;;
 esac
 '''
@@ -372,6 +383,103 @@ def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
                              SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
                              SLURM_NODEID="0", SLURMD_NODENAME="n1")
     assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
+
+
+@pytest.mark.cli
+def test_sbatch_requeues_a_run_error_and_never_a_config_error(tmp_path):
+    """The class the step's workers recorded (<run dir>/.step_errors, errors.record) decides,
+    not srun's exit code, which is the highest of its nodes' (143 for the nodes
+    --kill-on-bad-exit stopped, whichever failed first): a RunError is requeued whenever it
+    came, a ConfigError never, even after a long step, nor when another node had a RunError.
+    Without a record srun's code speaks: 4 is a RunError. A record left by an earlier step of
+    the job does not count."""
+    log = tmp_path / "scontrol.log"
+    run_dir = tmp_path / "run"
+
+    def run(**env: str) -> tuple[subprocess.CompletedProcess, list[str], str]:
+        log.unlink(missing_ok=True)
+        shutil.rmtree(tmp_path / "submit" / ".mingpt-step", ignore_errors=True)  # each run a new job
+        proc, _, step_env = fake_sbatch_run(tmp_path, "model=gpt-nano", f"hydra.run.dir={run_dir}",
+                                            scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log), FAKE_GRES="(null)",
+                                            FAKE_PYTHON=sys.executable, **env)
+        return proc, log.read_text().splitlines() if log.exists() else [], step_env
+
+    proc, calls, step_env = run(FAKE_SRUN_EXIT="143", FAKE_STEP_ERRORS="RunError")  # 0 s: within the 300 s
+    assert proc.returncode == 0 and "requeue 777" in calls, output(proc)
+    assert "training step failed with a RunError after 0s (step exit code 143): requeueing job 777" in output(proc)
+    assert f"MINGPT_STEP_ERRORS={tmp_path}/submit/.mingpt-step/777/0\n" in step_env, step_env
+    proc, calls, _ = run(FAKE_SRUN_EXIT="4")
+    assert proc.returncode == 0 and "requeue 777" in calls and "with a RunError" in output(proc), output(proc)
+
+    for settings in ({"FAKE_SRUN_EXIT": "143", "FAKE_STEP_ERRORS": "ConfigError"},
+                     {"FAKE_SRUN_EXIT": "143", "FAKE_STEP_ERRORS": "RunError ConfigError"},
+                     {"FAKE_SRUN_EXIT": "4", "FAKE_STEP_ERRORS": "ConfigError"}):
+        proc, calls, _ = run(REQUEUE_MIN_STEP_SECONDS="0", **settings)
+        assert proc.returncode == int(settings["FAKE_SRUN_EXIT"]) and "requeue 777" not in calls, (settings, output(proc))
+        assert "refused its input (a ConfigError" in output(proc), (settings, output(proc))
+
+    (run_dir / ".step_errors").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".step_errors" / "ConfigError").touch()  # an earlier step's
+    proc, calls, _ = run(FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")
+    assert proc.returncode == 0 and "requeue 777" in calls and "training step failed after 0s" in output(proc)
+
+    # One step, several torchrun tries (MAX_RESTARTS): try 0 refused its input (data not staged
+    # yet), try 1 trained, then lost a node: the last try's (no) class decides, requeued.
+    proc, calls, _ = run(FAKE_SRUN_EXIT="143", FAKE_STEP_ERRORS="0:ConfigError", FAKE_TRIES_STARTED="1",
+                         REQUEUE_MIN_STEP_SECONDS="0")
+    assert proc.returncode == 0 and "requeue 777" in calls and "training step failed after 0s" in output(proc)
+    proc, calls, _ = run(FAKE_SRUN_EXIT="143", FAKE_STEP_ERRORS="0:RunError 1:ConfigError", REQUEUE_MIN_STEP_SECONDS="0")
+    assert proc.returncode == 143 and "requeue 777" not in calls and "refused its input" in output(proc)
+
+
+@pytest.mark.cli
+def test_sbatch_records_are_per_job_and_per_attempt_outside_the_run_directory(tmp_path):
+    """The records live under <submit dir>/.mingpt-step/<job id>/<restart count>, whatever
+    hydra.run.dir says (an interpolation train.sbatch cannot resolve, a run directory another
+    job was refused): another job's ConfigError in the same run directory, or in its own
+    records, does not decide for this job; the records go when the job ends."""
+    log = tmp_path / "scontrol.log"
+    interpolated = "hydra.run.dir=runs/${oc.env:SLURM_JOB_ID}"
+    other, _, other_env = fake_sbatch_run(tmp_path, "model=gpt-nano", interpolated, SLURM_JOB_ID="906",
+                                          FAKE_SRUN_EXIT="2", FAKE_STEP_ERRORS="ConfigError", FAKE_GRES="(null)")
+    assert other.returncode == 2 and "refused its input" in output(other), output(other)
+    assert f"MINGPT_STEP_ERRORS={tmp_path}/submit/.mingpt-step/906/0\n" in other_env, other_env
+    assert not (tmp_path / "submit" / ".mingpt-step" / "906").exists()  # gone with the job
+    (tmp_path / "submit" / ".mingpt-step" / "905" / "0" / "try-0").mkdir(parents=True)  # a stale leftover
+    (tmp_path / "submit" / ".mingpt-step" / "905" / "0" / "try-0" / "ConfigError").touch()
+    proc, _, step_env = fake_sbatch_run(tmp_path, "model=gpt-nano", interpolated, SLURM_JOB_ID="905",
+                                        FAKE_SRUN_EXIT="143", REQUEUE_MIN_STEP_SECONDS="0", FAKE_GRES="(null)",
+                                        scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log))
+    assert proc.returncode == 0 and "requeue 905" in log.read_text(), output(proc)
+    assert f"MINGPT_STEP_ERRORS={tmp_path}/submit/.mingpt-step/905/0\n" in step_env and not (REPO / "runs").exists()
+
+
+@pytest.mark.cli
+def test_sbatch_requeues_a_failed_step_only_while_the_run_advances(tmp_path):
+    """A failed step is requeued when rank 0 saved a newer snapshot than the attempts before it,
+    else once: a deterministic RunError (a data preparation that always outlasts its wait) or a
+    late crash is not requeued MAX_REQUEUES times. A requeue after SIGUSR1 is not limited."""
+    log = tmp_path / "scontrol.log"
+
+    def attempt(restart: int, **env: str) -> tuple[int, bool, str]:
+        log.unlink(missing_ok=True)
+        proc, _, _ = fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL, FAKE_SCONTROL_LOG=str(log),
+                                     FAKE_GRES="(null)", SLURM_RESTART_COUNT=str(restart), **env)
+        return proc.returncode, log.exists() and "requeue 777" in log.read_text(), output(proc)
+
+    run_error = {"FAKE_SRUN_EXIT": "4", "FAKE_STEP_ERRORS": "RunError"}
+    assert attempt(0, **run_error, FAKE_SNAPSHOT_STEP="100")[1]  # progress: step 100
+    assert attempt(1, **run_error)[1]  # no newer snapshot: requeued once
+    rc, requeued, out = attempt(2, **run_error)
+    assert rc == 4 and not requeued and "no newer snapshot than step 100" in out, out
+    assert not (tmp_path / "submit" / ".mingpt-step" / "777").exists()  # the job ended: records gone
+
+    assert attempt(0, **run_error, FAKE_SNAPSHOT_STEP="100")[1]
+    assert attempt(1, **run_error)[1]
+    assert attempt(2, **run_error, FAKE_SNAPSHOT_STEP="150")[1]  # advanced again
+    assert attempt(3, FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")[1]  # a late crash, once
+    rc, requeued, out = attempt(4, FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")
+    assert rc == 1 and not requeued and "no newer snapshot than step 150" in out, out
 
 
 @pytest.mark.cli

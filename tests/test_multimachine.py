@@ -235,47 +235,131 @@ def test_a_head_name_resolving_to_loopback_advertises_no_loopback_address(tmp_pa
 
 
 @pytest.mark.unit
-def test_the_launcher_sums_up_refused_workers_in_one_line_and_exit_2(tmp_path):
-    """torch records a worker that left no error file with the message "<NONE>": that is no
-    traceback, so the launcher says one line. Only when every failed worker exited 2 does the
-    node exit 2 (train.sbatch's "do not requeue"); one stopped by the agent's signal beside a
-    worker that exited 2 could be a RunError of a hung peer, which should be requeued."""
+def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkeypatch):
+    """The node's exit code is the class the workers recorded in their torchelastic error files
+    (errors.record, read back by torch's own ProcessFailure), not the first exit code: the
+    first worker to exit makes the agent SIGTERM the others, or they lose their peers (3).
+    ConfigError (2) when any worker recorded one, else RunError (4). Without a record, 2 or 4
+    only when every failed worker exited with it, else 1. A worker that crashed without a record
+    (a signal the agent does not send) outranks a RunError: 1. A record is no traceback:
+    one summary line; a bug's error file keeps torchrun's own summary."""
     import signal as signals
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
+    from mingpt_ddp.errors import ConfigError, RunError, record
     from mingpt_ddp.tools import torchrun
 
-    def failure(rank, exitcode, error_file=str(tmp_path / "none.json")):
-        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=error_file)
+    def failure(rank, exitcode, recorded=None):
+        error_file = tmp_path / f"{len(list(tmp_path.iterdir()))}" / "error.json"
+        error_file.parent.mkdir()
+        if recorded:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+            record(recorded("why"), "why")
+        return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
 
-    refused = ChildFailedError("main.py", {0: failure(0, 2), 1: failure(1, -signals.SIGTERM)})
+    term, kill = -signals.SIGTERM, -signals.SIGKILL
+    cases = [({0: failure(0, 2, ConfigError), 1: failure(1, term)}, 2),  # the agent stopped rank 1 first
+             ({0: failure(0, 3), 1: failure(1, term, ConfigError)}, 2),  # rank 1 recorded, then was stopped
+             ({0: failure(0, 4, RunError), 1: failure(1, 2, ConfigError)}, 2),
+             ({0: failure(0, 4, RunError), 1: failure(1, 3)}, 4),
+             ({0: failure(0, 3), 1: failure(1, kill, RunError)}, 4),
+             ({0: failure(0, 4, RunError), 1: failure(1, term)}, 4),  # rank 1 stopped by the agent
+             # rank 0 crashed (OOM-killed, SIGSEGV) with no record: rank 1's RunError (a wait for it
+             # that ran out) is its symptom; the node is a crash (1), not a requeue-at-once RunError
+             ({0: failure(0, kill), 1: failure(1, 4, RunError)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, -signals.SIGSEGV), 1: failure(1, term, RunError)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, kill), 1: failure(1, 2, ConfigError)}, 2),  # bad input still wins
+             ({0: failure(0, 2), 1: failure(1, 2)}, 2),  # exited 2 before main() could record
+             ({0: failure(0, 4), 1: failure(1, 4)}, 4),
+             ({0: failure(0, 2), 1: failure(1, 4)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, 2), 1: failure(1, term)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, 3), 1: failure(1, term)}, torchrun.RDZV_FAILED_EXIT),
+             ({0: failure(0, kill)}, torchrun.RDZV_FAILED_EXIT)]
+    for failures, code in cases:
+        described = {r: (f.exitcode, f.error_file_data.get("mingpt_error_class")) for r, f in failures.items()}
+        assert torchrun.exit_code_for(failures) == code, described
+
+    refused = ChildFailedError("main.py", cases[0][0])
     line = torchrun.workers_failed(refused)
     assert line and line.startswith("error: worker(s) on") and "rank 0 (local rank 0) exited with code 2" in line
     assert "rank 1 (local rank 1) died of SIGTERM" in line, line
-    assert torchrun.exit_code_for(refused.failures) == torchrun.RDZV_FAILED_EXIT
-    assert torchrun.exit_code_for({0: failure(0, 2), 1: failure(1, 2)}) == 2
-    assert torchrun.exit_code_for({0: failure(0, 2), 1: failure(1, 1)}) == torchrun.RDZV_FAILED_EXIT
-    assert torchrun.exit_code_for({0: failure(0, -signals.SIGKILL)}) == torchrun.RDZV_FAILED_EXIT
+    assert "ConfigError: why" in refused.format_msg()  # plain torchrun's summary shows the line
     (tmp_path / "error.json").write_text(json.dumps({"message": {"message": "ValueError: bug", "extraInfo": {
         "py_callstack": "Traceback ...", "timestamp": "0"}}}))
-    crashed = ChildFailedError("main.py", {0: failure(0, 1, str(tmp_path / "error.json"))})
-    assert torchrun.workers_failed(crashed) is None  # torchrun's own summary shows the traceback
+    bug = ProcessFailure(local_rank=0, pid=1000, exitcode=1, error_file=str(tmp_path / "error.json"))
+    assert torchrun.workers_failed(ChildFailedError("main.py", {0: bug})) is None  # torchrun's summary shows it
+
+
+# A rank that is slow to leave after its error (an atexit sleep in that worker): the agent
+# stops it with SIGTERM once the other rank has exited, the race that decided the node's exit
+# code before the workers recorded their error class.
+SLOW_TO_EXIT = '''
+import atexit, os, sys, time
+if os.environ.get("RANK") == os.environ.get("SLOW_RANK") and sys.argv and sys.argv[0].endswith("main.py"):
+    atexit.register(time.sleep, 60)
+'''
+
+
+def slow_to_exit(tmp_path: Path, rank: int) -> dict:
+    site = tmp_path / "slow_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_TO_EXIT)
+    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}", "SLOW_RANK": str(rank), "PYTHONUNBUFFERED": "1"}
+
+
+def launcher_summary(text: str) -> str:
+    summary = [line for line in text.splitlines() if line.startswith("mingpt-torchrun: error: worker(s) on")]
+    assert len(summary) == 1, text
+    return summary[0]
 
 
 @pytest.mark.cli
 def test_bad_input_under_the_launcher_ends_with_one_line_and_exit_2(tmp_path):
     """Two workers refuse a missing data file: one rank says why, the agent adds one summary
-    line, no traceback; the launcher exits 2 when both workers exited 2, else 1 (the agent
-    stopped one by a signal first)."""
+    line, no traceback. Rank 1 is slow to leave, so the agent stops it with SIGTERM after rank
+    0 exited 2: the launcher still exits 2 (train.sbatch: never requeued), from the class the
+    workers recorded, not 1 as when the first exit code decided."""
     proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", str(MAIN),
                            f"data.path={tmp_path / 'missing.txt'}", f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180, env=slow_to_exit(tmp_path, 1))
     text = proc.stdout + proc.stderr
     assert "Traceback" not in text and "ChildFailedError" not in text, text
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "missing.txt" in errors[0], text
-    summary = [line for line in text.splitlines() if line.startswith("mingpt-torchrun: error: worker(s) on")]
-    assert len(summary) == 1 and "exited with code 2" in summary[0], text
-    assert proc.returncode == (1 if "died of" in summary[0] else 2), text
+    summary = launcher_summary(text)
+    assert "rank 0 (local rank 0) exited with code 2" in summary and "rank 1 (local rank 1) died of SIGTERM" in summary
+    assert proc.returncode == 2, text
+
+
+@pytest.mark.dist
+def test_a_run_error_under_the_launcher_exits_4_whichever_worker_exits_first(tmp_path, small_corpus):
+    """Saves fail past trainer.save_retry_minutes (the snapshot directory made unusable after
+    the first save): every rank stops with the RunError, one line. Rank 0 is slow to leave, so
+    the agent stops it with SIGTERM after rank 1 exited: the launcher exits 4 (a failed run,
+    which train.sbatch requeues), not 2 (bad input, never requeued) nor 1."""
+    from test_fault_tolerance import wait_for
+    from test_waiting_for_rank0 import FailingDirectory
+
+    snapshots, log = tmp_path / "snapshots", tmp_path / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [PYTHON, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", str(MAIN), *TINY,
+             f"data.path={small_corpus}", f"hydra.run.dir={tmp_path / 'run'}", "trainer.max_steps=100000",
+             f"trainer.snapshot_path={snapshots}/snapshot.pt", "trainer.snapshot_every_steps=4",
+             "trainer.log_every=2", "trainer.save_retry_minutes=0.05"],
+            cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, env=slow_to_exit(tmp_path, 0), start_new_session=True)
+    store = FailingDirectory(snapshots)
+    try:
+        wait_for(lambda: "saved snapshot" in log.read_text() or proc.poll() is not None, 180, "the first snapshot")
+        store.fail()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith(("error:", "[rank 1] error:"))]
+    assert len(errors) == 1 and "Traceback" not in text, text
+    summary = launcher_summary(text)
+    assert "rank 1 (local rank 1) exited with code 4" in summary and "rank 0 (local rank 0) died of SIGTERM" in summary
+    assert proc.returncode == 4, text

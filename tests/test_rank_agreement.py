@@ -72,10 +72,14 @@ def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_
     assert load_snapshot(tmp_path / "run" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
 
 
-@pytest.mark.dist
-@pytest.mark.slow
-def test_parameters_that_differ_at_the_end_are_an_error(tmp_path, small_corpus):
-    """Rank 1's weights really differ (nudged after training, in our code, not torch's)."""
+def diverging_main(tmp_path, strategy="ddp"):
+    """main.py with rank 1's end-of-run fingerprint made to differ, in our code, not torch's:
+    under DDP its weights really differ (nudged after training); under FSDP every rank gathers
+    the same whole model, so rank 1's fingerprint stands for a fault in what it gathered."""
+    nudge = ("        with torch.no_grad():\n"
+             "            next(self.model.parameters()).add_(1e-3)\n" if strategy == "ddp" else
+             "        gathered = self.strategy.fingerprint  # its collectives still run on every rank\n"
+             "        self.strategy.fingerprint = lambda: 'fault' + gathered()[5:]\n")
     script = tmp_path / "diverging.py"
     script.write_text(
         "import runpy, sys, torch\n"
@@ -83,20 +87,71 @@ def test_parameters_that_differ_at_the_end_are_an_error(tmp_path, small_corpus):
         "check = trainer.Trainer._check_ranks_agree\n"
         "def nudged(self):\n"
         "    if self.dist.rank == 1:\n"
-        "        with torch.no_grad():\n"
-        "            next(self.model.parameters()).add_(1e-3)\n"
-        "    check(self)\n"
+        f"{nudge}"
+        "    return check(self)\n"
         "trainer.Trainer._check_ranks_agree = nudged\n"
         f"sys.argv[0] = {MAIN!r}\n"
         f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
     )
-    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script),
-           *args(tmp_path / "run", small_corpus, "trainer.max_steps=3")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+    return script
+
+
+def run_diverging(script, cmd_args):
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), *cmd_args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_parameters_that_differ_at_the_end_are_an_error_and_the_run_is_not_finished(tmp_path, small_corpus):
+    """Rank 1's weights really differ. The last snapshot keeps rank 0's state, marked as failing
+    the check: the same command again (as the error advises, or a requeue) and a sweep over the
+    run refuse it in one line, never "finished" with exit 0; trainer.resume_failed_check=true
+    takes it as it is."""
+    sweep = tmp_path / "sweep"
+    run_dir = sweep / "0"  # where a sweep's point 0 lives: the sweep below finds this run's snapshot
+    # the last step is saved in the loop too: the check's mark must still reach the snapshot
+    cmd_args = args(run_dir, small_corpus, "trainer.max_steps=3", "trainer.snapshot_every_steps=3")
+    script = diverging_main(tmp_path)
+    proc = run_diverging(script, cmd_args)
     text = output(proc)
-    assert proc.returncode != 0, text
+    assert proc.returncode == 2, text  # not retried: a person compares the nodes
     assert "error: parameters differ between ranks at the end of training (rank 0: " in text, text
+    assert "trainer.resume_failed_check=true" in text, text
+    snapshot = load_snapshot(run_dir / "snapshot.pt")
+    assert snapshot["train_state"]["step"] == 3, snapshot["train_state"]  # the work is kept
+    assert "parameters differ between ranks" in snapshot["failed_check"]["message"], snapshot["failed_check"]
+
+    again = run_diverging(script, cmd_args)  # the same command
+    assert "run already finished" not in output(again), output(again)
+    expect_config_error(again, "failed the end-of-run check (parameters differ between ranks",
+                        "trainer.resume_failed_check=true")
+
+    swept = run_cli(["-m", *TINY, f"data.path={small_corpus}", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}"])
+    assert swept.returncode == 2, output(swept)
+    record = json.loads((run_dir / "result.json").read_text())
+    assert record["status"] == "failed" and "failed the end-of-run check" in record["error"], record
+    assert "finished earlier" not in (sweep / "summary.md").read_text()
+
+    accepted = must_pass(run_cli([*cmd_args, "trainer.resume_failed_check=true"]))
+    assert "failed the end-of-run check" in accepted and "run already finished" in accepted, accepted
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_sharded_snapshot_that_failed_the_check_is_marked_and_refused(tmp_path, small_corpus):
+    """FSDP: the mark is in the sharded snapshot's metadata, and a new start refuses it."""
+    from mingpt_ddp.checkpoint.sharded_snapshot import ShardedSnapshotStore
+
+    cmd_args = args(tmp_path / "run", small_corpus, "trainer.max_steps=3", "trainer.strategy=fsdp")
+    proc = run_diverging(diverging_main(tmp_path, "fsdp"), cmd_args)
+    assert "error: parameters differ between ranks at the end of training (rank 0: " in output(proc), output(proc)
+    meta, _ = ShardedSnapshotStore(str(tmp_path / "run" / "snapshot.pt")).latest_meta()
+    assert meta["train_state"]["step"] == 3 and "rank 1: fault" in meta["failed_check"]["message"], meta
+    again = run_cli(cmd_args)
+    assert again.returncode == 2 and "run already finished" not in output(again), output(again)
+    assert "failed the end-of-run check" in error_lines(output(again))[0], output(again)
 
 
 # ---- 2. the global batch is the run's, kept on every later resume ----------------------------
@@ -139,8 +194,9 @@ def test_global_batch_and_plan_survive_2_1_1_2_workers(tmp_path, small_corpus):
     assert len(set(plans)) == 1 and plans[0][0] == "16", plans
     assert "world size 1 as when the run's global batch was set: global batch 16 kept" in logs[2], logs[2]
     assert load_snapshot(run_dir / "snapshot.pt")["global_batch"] == 16
-    # An explicit override changes it, and says so.
-    text = stopped_run([*common, "trainer.batch_size=4"], 2, tmp_path / "e.log", run_dir)
+    # An explicit override, with the setting that lets a resume change it, changes it, and says so.
+    text = stopped_run([*common, "trainer.batch_size=4", "trainer.continue_with_new_settings=true"], 2,
+                       tmp_path / "e.log", run_dir)
     assert "global batch changed from 16 to 8" in text and plan_of(text)[0] == "8", text
 
 

@@ -432,11 +432,11 @@ def steal_the_lock(run_dir):
 
 
 def stopped_by_the_lost_lock(tmp_path, proc, run_dir, thief):
-    """The losing run's log, once it exited 2 with one `error: lost the run lock` line and
-    left the thief's lock alone (then released)."""
+    """The losing run's log, once it exited 4 (a RunError) with one `error: lost the run lock`
+    line and left the thief's lock alone (then released)."""
     rc = proc.wait(timeout=60)
     text = (tmp_path / "loser.log").read_text()
-    assert rc == 2, text
+    assert rc == 4, text
     errors = [line for line in text.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "lost the run lock" in errors[0], text
     assert "Traceback" not in text, text

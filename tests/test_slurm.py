@@ -385,6 +385,23 @@ def test_sbatch_sweep_preemption_ends_the_sweep_and_the_requeued_job_finishes_it
     assert [r.split(",")[2] for r in rows] == ["completed", "completed"], rows
 
 
+def test_sbatch_never_requeues_bad_input_whatever_srun_reports(slurm, tmp_path):
+    """A missing data file, with REQUEUE_MIN_STEP_SECONDS=0 (the step's short life cannot
+    save it): every worker records its ConfigError in <submit dir>/.mingpt-step/<job>/<restart>/,
+    which the batch
+    script reads, since srun reports 143 when --kill-on-bad-exit stopped the other node before
+    that node's own exit 2. The job is not requeued."""
+    run_dir = tmp_path / "run"
+    job = sbatch(slurm, tmp_path, tiny(tmp_path / "missing.txt", f"hydra.run.dir={run_dir}"),
+                 {"REQUEUE_MIN_STEP_SECONDS": "0", "MAX_REQUEUES": "1", "MAX_RESTARTS": "0"})
+    state = wait_job(slurm, job, timeout=180)
+    log = (tmp_path / f"mingpt_{job}.out").read_text()
+    assert state == "FAILED", log
+    assert "training step refused its input (a ConfigError, step exit code " in log, log
+    assert "requeueing" not in log and job_field(slurm, job, "Restarts") == "0", log
+    assert not (run_dir / ".step_errors").exists(), log  # the records are the job's, and go with it
+
+
 # ---- pre-flight checks -----------------------------------------------------------------------
 def test_sbatch_preflight_passes_then_trains(slurm, small_corpus, tmp_path):
     """PREFLIGHT=1 sbatch launch/train.sbatch: through the job's own torchrun topology (gloo on

@@ -1,10 +1,16 @@
 """Storage without training: secrets kept out of config files and logs, retries and their
 limits, the background saver's failure handling, and the snapshot store and data cache on
 real S3 servers (moto and SeaweedFS on 127.0.0.1)."""
+import errno
+import http.client
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
+import types
+import urllib.error
 import uuid
 
 import pytest
@@ -160,6 +166,40 @@ def test_resolved_url_credentials_are_redacted_in_the_stored_config_params_and_r
 
 
 @pytest.mark.unit
+def test_a_presigned_url_typed_on_the_command_line_is_warned_about_naming_oc_env():
+    """Redacted everywhere the run shows or stores it, a URL credential typed on the command
+    line is still in `ps` for every local user: the warning says so and how to pass it."""
+    signature = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9aSIG"
+    warning = storage.command_line_warning(
+        ["model=gpt-nano", f"data.path='https://h.example.com/c.txt?X-Amz-Expires=60&X-Amz-Signature={signature}'",
+         "+data.download_url=https://h.example.com/d.txt?token=tok123456"])
+    assert warning.startswith("data.path, data.download_url on the command line holds a URL's credentials"), warning
+    assert "any user of this machine can read them with `ps` while the run lasts" in warning
+    assert "'data.path=${oc.env:MY_URL}'" in warning and signature not in warning
+    for argv in (["data.path=${oc.env:MY_URL}"], ["data.path=https://h.example.com/c.txt?X-Amz-Signature=${oc.env:S}"],
+                 ["data.path=s3://bucket/c.txt", "trainer.max_steps=5"], []):
+        assert storage.command_line_warning(argv) is None, argv
+
+
+@pytest.mark.unit
+def test_a_wandb_that_cannot_turn_off_its_capture_of_the_command_line_is_refused():
+    """W&B records sys.argv as given (a presigned URL's signature included) unless its
+    settings turn that off; a wandb without those settings is one error naming the upgrade."""
+    from types import SimpleNamespace
+
+    from mingpt_ddp import loggers
+
+    old = SimpleNamespace(__version__="0.15.0", Settings=type("Settings", (), {"model_fields": {"console": None}}))
+    with pytest.raises(ConfigError, match=r"x_disable_meta.*would upload the command line.*pip install -U wandb"):
+        loggers._wandb_settings(old)
+    taken = {}
+    new = SimpleNamespace(Settings=type("Settings", (), {"model_fields": dict.fromkeys(loggers.WANDB_CAPTURE_OFF),
+                                                          "__init__": lambda self, **kw: taken.update(kw)}))
+    loggers._wandb_settings(new)
+    assert taken["x_disable_meta"] is True and taken["disable_git"] is True and taken["console"] == "off"
+
+
+@pytest.mark.unit
 def test_the_redacting_filter_never_raises():
     """A malformed log call in any library must not raise into the training loop."""
     handler = logging.StreamHandler()
@@ -260,6 +300,85 @@ def test_permanent_failures_are_not_retried(error):
     with pytest.raises(type(error)):
         storage.retry_transient(fail, "reading", minutes=10.0, sleep=lambda s: None)
     assert len(calls) == 1
+
+
+def _raised_from(outer: BaseException, cause: BaseException) -> BaseException:
+    """`outer` as fsspec's HTTP filesystem raises it: `raise FileNotFoundError(url) from exc`."""
+    try:
+        try:
+            raise cause
+        except BaseException as exc:
+            raise outer from exc
+    except BaseException as raised:
+        return raised
+
+
+@pytest.mark.unit
+def test_an_outage_is_transient_whatever_wraps_it_and_an_answer_is_not():
+    """fsspec's HTTP filesystem turns a refused connection or a 503 into FileNotFoundError
+    (issue 29, defect 8): the cause decides; a 404 or 403 stays final, and so does an error
+    the project already turned into a ConfigError."""
+    aiohttp = pytest.importorskip("aiohttp")
+
+    def answer(status):
+        return aiohttp.ClientResponseError(None, (), status=status)
+
+    for cause in (ConnectionRefusedError(111, "Connection refused"), TimeoutError("read timed out"),
+                  aiohttp.ServerDisconnectedError(), answer(503), answer(429)):
+        wrapped = _raised_from(FileNotFoundError("http://h/x.txt"), cause)
+        assert storage.is_transient(wrapped) and storage.network_cause(wrapped) is cause, cause
+    for cause in (answer(404), answer(403), ValueError("bad url")):
+        assert not storage.is_transient(_raised_from(FileNotFoundError("http://h/x.txt"), cause)), cause
+    assert not storage.is_transient(answer(404)) and storage.is_transient(answer(502))
+    assert not storage.is_transient(_raised_from(ConfigError("cannot read"), ConnectionRefusedError()))
+
+
+def _as_urllib_raises(cause) -> BaseException:
+    """urllib.request's way: `except OSError as err: raise URLError(err)` (a context)."""
+    try:
+        try:
+            raise cause
+        except OSError as err:
+            raise urllib.error.URLError(err)
+    except urllib.error.URLError as raised:
+        return raised
+
+
+@pytest.mark.unit
+def test_an_unknown_host_or_an_untrusted_certificate_is_final_and_a_dns_outage_is_not():
+    """urllib wraps every failure before an answer in URLError, aiohttp an unknown host or a
+    refused certificate in a ClientConnectionError: the cause decides. A name that does not
+    resolve (EAI_NONAME, EAI_NODATA) or a certificate not trusted is a mistake to report at
+    once, a temporary DNS failure (EAI_AGAIN), a cut body or a refused connection an outage;
+    a mistyped scheme, a URL without a host or a local path is no network failure at all
+    (review of issue 29, defect 8). Mid-run, a sharded save still retries the first two."""
+    aiohttp = pytest.importorskip("aiohttp")
+    from mingpt_ddp.checkpoint.sharded_snapshot import _transient as retried_mid_run
+    key = types.SimpleNamespace(host="data-host-typo.invalid", port=443, ssl=True)
+
+    def dns(code, text):
+        return socket.gaierror(code, text)
+
+    unknown = dns(socket.EAI_NONAME, "Name or service not known")
+    no_address = dns(getattr(socket, "EAI_NODATA", -5), "No address associated with hostname")
+    untrusted = ssl.SSLCertVerificationError(1, "[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed")
+    for lasting in (_as_urllib_raises(unknown), _as_urllib_raises(no_address), _as_urllib_raises(untrusted),
+                    _raised_from(FileNotFoundError("https://h/x"), _raised_from(
+                        aiohttp.ClientConnectorDNSError(key, unknown), unknown)),
+                    aiohttp.ClientConnectorDNSError(key, OSError(None, "Name or service not known")),
+                    _raised_from(FileNotFoundError("https://h/x"), _raised_from(
+                        aiohttp.ClientConnectorCertificateError(key, untrusted), untrusted))):
+        assert not storage.is_transient(lasting) and storage.network_cause(lasting) is None, repr(lasting)
+        assert storage.lasting_network_cause(lasting) is not None and retried_mid_run(lasting), repr(lasting)
+    again = dns(socket.EAI_AGAIN, "Temporary failure in name resolution")
+    for outage in (_as_urllib_raises(again), _raised_from(aiohttp.ClientConnectorDNSError(key, again), again),
+                   _as_urllib_raises(ConnectionRefusedError(111, "Connection refused")),
+                   _as_urllib_raises(OSError(errno.ENETUNREACH, "Network is unreachable")),
+                   http.client.IncompleteRead(b"x" * 10, 90)):
+        assert storage.is_transient(outage) and storage.network_cause(outage) is not None, repr(outage)
+    for mistake in (urllib.error.URLError("unknown url type: htps"), urllib.error.URLError("no host given"),
+                    _as_urllib_raises(FileNotFoundError(2, "No such file or directory"))):
+        assert storage.network_cause(mistake) is None, repr(mistake)
 
 
 # ---- the background saver --------------------------------------------------------------------

@@ -142,7 +142,26 @@ def test_val_bpb_for_characters_is_the_loss_in_bits_per_byte(small_corpus, tmp_p
 
 
 @pytest.mark.unit
-def test_val_bpb_for_bpe_leaves_end_of_text_out(shards, tmp_path):
+def test_char_and_bpe_divide_the_same_documents_by_the_same_bytes(shards, tmp_path):
+    """val_bpb's denominator: each target's bytes (tokenizer.byte_lengths). On one text of
+    many documents, char (a newline between documents, 1 byte) and BPE (<|endoftext|>
+    there) must count the same bytes, or their val_bpb are not comparable (issue 29,
+    defect 10): both count the boundary as the newline of the joined text."""
+    root, docs = shards
+    joined = "\n".join(docs)
+    split = len(joined) - int(len(joined) * 0.1)
+    counted = {}
+    for kind in ("char", "bpe"):
+        made = prepare(root, tmp_path / "cache", kind=kind, vocab_size=300, val_fraction=0.1)
+        corpus, tok = corpus_of(made, tmp_path / "cache")
+        weights = torch.from_numpy(tok.byte_lengths())
+        counted[kind] = (int(weights[corpus.val_tokens.long()].sum()), int(weights[corpus.tokens.long()].sum()))
+        assert counted[kind][1] == made.corpus_bytes  # what bytes/token and MB/s count, too
+    assert counted["char"] == counted["bpe"] == (len(joined[split:].encode()), len(joined.encode()))
+
+
+@pytest.mark.unit
+def test_val_bpb_for_bpe_counts_end_of_text_as_the_newline_it_stands_for(shards, tmp_path):
     root, _ = shards
     made = prepare(root, tmp_path / "cache", kind="bpe", vocab_size=300)
     corpus, tok = corpus_of(made, tmp_path / "cache")
@@ -154,13 +173,12 @@ def test_val_bpb_for_bpe_leaves_end_of_text_out(shards, tmp_path):
     with torch.no_grad():
         logits, _ = trainer.model(x)
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, tok.size), y.reshape(-1), reduction="none")
-    text = y.reshape(-1) != tok.eot_id
     nbytes = torch.from_numpy(tok.byte_lengths())[y.reshape(-1)].sum().item()
-    assert (~text).sum() > 0  # some targets are <|endoftext|>
+    assert (y == tok.eot_id).sum() > 0  # some targets are <|endoftext|>
     val_loss = trainer.evaluate()
     assert val_loss == pytest.approx(losses.mean().item(), rel=1e-5)
-    assert trainer.last_val_bpb == pytest.approx(losses[text].sum().item() / (math.log(2) * nbytes), rel=1e-5)
-    assert nbytes == len(tok.decode(y.reshape(-1).tolist()).replace(tokenizer.EOT, "").encode())
+    assert trainer.last_val_bpb == pytest.approx(losses.sum().item() / (math.log(2) * nbytes), rel=1e-5)
+    assert nbytes == len(tok.decode(y.reshape(-1).tolist()).replace(tokenizer.EOT, "\n").encode())
 
 
 # ---- the whole product ------------------------------------------------------------------------

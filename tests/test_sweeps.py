@@ -140,7 +140,7 @@ def test_a_stop_signal_ends_the_whole_sweep_after_the_points_snapshot(tmp_path, 
     result = yaml.safe_load((sweep / "0" / "result.json").read_text())
     assert result["status"].startswith("stopped by SIG"), result
     assert (sweep / "0" / "snapshot.pt").is_file()
-    assert "sweep stopped by SIG" in text, text
+    assert "sweep stopped by SIG" in text and "run the same command to resume the sweep" in text, text
     if how.startswith("SIGUSR1"):
         assert "Traceback" not in text, text
 
@@ -191,9 +191,12 @@ def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_write
 def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small_corpus):
     """A sweep run again with another model refuses its finished points (recorded as failed);
     run again as it was, the points are finished earlier: their records say so, not the old
-    failure, and summary.md lists no failed point."""
+    failure, and summary.md lists no failed point. Nor is a point finished earlier under
+    other values, or on another corpus than the one its record names."""
     sweep = tmp_path / "sweep"
-    base = [PYTHON, str(MAIN), "--multirun", *FIXED, "model=gpt-nano", f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}",
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(small_corpus.read_text())
+    base = [PYTHON, str(MAIN), "--multirun", *FIXED, "model=gpt-nano", f"data.path={corpus}", f"hydra.sweep.dir={sweep}",
             "trainer.max_steps=2", "optimizer.lr=3e-3,1e-3"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
 
@@ -208,7 +211,8 @@ def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small
     again = sweep_once()
     assert again.returncode == 0, again.stderr
     for point in ("0", "1"):
-        assert json.loads((sweep / point / "result.json").read_text())["status"] == "finished earlier"
+        record = json.loads((sweep / point / "result.json").read_text())
+        assert record["status"] == "finished earlier" and record["corpus"]["train_tokens"] == 36_000, record
     assert "failed" not in (sweep / "summary.md").read_text().lower()
     # The values in another order: point 0 (now lr=1e-3) holds lr=3e-3's finished run. Its loss
     # must not be reported as lr=1e-3's: refused, naming the setting.
@@ -218,3 +222,12 @@ def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small
     for point, change in (("0", "optimizer.lr=0.003 then, 0.001 now"), ("1", "optimizer.lr=0.001 then, 0.003 now")):
         record = json.loads((sweep / point / "result.json").read_text())
         assert record["status"] == "failed" and change in record["error"], record
+    # In their order again, on a corpus that changed since: not finished for this one.
+    base[-1] = "optimizer.lr=3e-3,1e-3"
+    corpus.write_text(small_corpus.read_text() + "\nmore text")
+    changed = sweep_once()
+    assert changed.returncode == 2, changed.stderr
+    for point in ("0", "1"):
+        record = json.loads((sweep / point / "result.json").read_text())
+        assert record["status"] == "failed" and "finished on another corpus" in record["error"], record
+        assert "40,000 tokens then, 40,010 now" in record["error"], record

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import MAIN, REPO, TINY, TORCHRUN, load_snapshot, output, read_metrics, run_cli, s3_options
-from mingpt_ddp import char_dataset, distributed
+from mingpt_ddp import char_dataset, config, distributed
 from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.char_dataset import CharCorpus, Vocabulary, to_device
 from mingpt_ddp.config import OptimizerConfig, Precision, TrainerConfig
@@ -107,12 +107,15 @@ def write_parts(directory):
 def test_directory_and_glob_are_their_sorted_files_joined_by_newlines(tmp_path, caplog):
     write_parts(tmp_path / "corpus")
     with caplog.at_level(logging.WARNING):
-        whole, _ = load(tmp_path / "corpus", tmp_path / "cache")
+        whole, made = load(tmp_path / "corpus", tmp_path / "cache")
     assert whole.vocab.decode(whole.tokens) == "first file, aaa\nsecond file, bbb\nthird: ccc"
     assert "empty.txt is empty: skipped" in caplog.text
     some, _ = load(f"{tmp_path}/corpus/*.txt", tmp_path / "cache")
     assert some.vocab.decode(some.tokens) == "first file, aaa\nsecond file, bbb"
     assert "\n" in some.vocab.chars  # the separator is a character of the vocabulary
+    # corpus_bytes (bytes per token, MB/s) counts the joined text, separators included, as
+    # the document formats do (review of issue 29, defect 10)
+    assert made.corpus_bytes == len("first file, aaa\nsecond file, bbb\nthird: ccc".encode())
 
 
 @pytest.mark.s3
@@ -173,6 +176,42 @@ def test_token_file_is_reused_and_remade_when_a_source_changes(tmp_path, small_c
     load(tmp_path / "text.txt", cache)
     left = os.listdir(cache / "tokens")
     assert first.name not in left and with_vocab.name not in left and third.name in left
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_live_runs_cache_files_survive_another_jobs_clean_up_a_day_later(tmp_path, small_corpus, monkeypatch,
+                                                                            kind):
+    """Another job's prepare on the same data.cache_dir removes what nobody touched for a day
+    (remove_unused). A run training for longer keeps touching its token file, index entry,
+    tokenizer and trained BPE, so its restart maps them instead of encoding (and training the
+    BPE) again while its other ranks wait (issue 29, defect 6)."""
+    if kind == "bpe":
+        pytest.importorskip("tokenizers")
+        pytest.importorskip("tiktoken")
+    monkeypatch.setattr(token_cache, "KEEP_FRESH_S", 0.1, raising=False)  # an hour, seen in a tenth of a second
+    data = config.DataConfig(path=str(small_corpus), cache_dir=str(tmp_path / "cache"), block_size=16,
+                             tokenizer=kind, vocab_size=300)
+    token_cache.load_corpus(data, SINGLE, 0.0)  # the run starts, and trains on
+    directory = token_cache.tokens_dir(data.cache_dir)
+    runs_files = sorted(n for n in os.listdir(directory) if not n.endswith(".lock"))
+    assert len(runs_files) == (2 if kind == "char" else 5)  # + counts, tokenizer, trained BPE
+    earlier = os.path.join(directory, "0123-an-earlier-text.uint8")
+    open(earlier, "wb").write(b"x")
+    day_ago = time.time() - token_cache.UNUSED_FOR_S - 60
+    for name in [*runs_files, os.path.basename(earlier)]:  # a day goes by
+        os.utime(os.path.join(directory, name), (day_ago, day_ago))
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(os.path.getmtime(os.path.join(directory, n)) < time.time() - 3600
+                                              for n in runs_files):
+        time.sleep(0.05)
+    token_cache.remove_unused(directory)  # another job's prepare
+    left = set(os.listdir(directory))
+    assert os.path.basename(earlier) not in left  # unused files still go
+    assert set(runs_files) <= left, sorted(set(runs_files) - left)
+    again = token_cache.prepare(str(small_corpus), None, {}, data.cache_dir, 0.0,
+                                tokenization=token_cache.tokenization(data))
+    assert again.encode_s is None  # the restart reuses them
 
 
 @pytest.mark.unit
@@ -540,3 +579,48 @@ def test_the_cache_lock_left_by_a_dead_process_is_held_by_one_waiter_at_a_time(t
         inside += 1 if kind == "in" else -1
         most = max(most, inside)
     assert most == 1
+
+
+# ---- the corpus identity a snapshot records (corpus/identity.py) ----------------------------
+def corpus_identity_of(path, cache, data):
+    from mingpt_ddp.corpus import identity
+
+    corpus, token_file = load(path, cache, val_fraction=data["val_fraction"])
+    return identity.identity(token_file.text_sha256, len(corpus.train_tokens), len(corpus.val_tokens), data)
+
+
+@pytest.mark.unit
+def test_a_corpus_is_its_text_and_split_not_its_path(tmp_path):
+    """The text's hash (the one the cache already takes) decides: the same text elsewhere is
+    the same corpus, noted; another text or another val_fraction is another one, in words
+    that name it; a snapshot without an identity compares what its config recorded."""
+    from mingpt_ddp.corpus.identity import compare
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "1.txt").write_text("to be or not to be\n" * 200)
+    shutil.copytree(tmp_path / "a", tmp_path / "moved")
+    data = {"path": str(tmp_path / "a"), "text_column": "text", "val_fraction": 0.1}
+    then = corpus_identity_of(tmp_path / "a", tmp_path / "cache", data)
+    assert then["train_tokens"] + then["val_tokens"] == 3800 and then["val_tokens"] == 380
+
+    moved = corpus_identity_of(tmp_path / "moved", tmp_path / "cache", {**data, "path": str(tmp_path / "moved")})
+    same = compare(then, data, moved)
+    assert same.changed is None and f"data.path {tmp_path / 'a'} then, {tmp_path / 'moved'} now" in same.note
+    assert compare(then, data, then) == (None, None)
+
+    split = compare(then, data, corpus_identity_of(tmp_path / "a", tmp_path / "cache", {**data, "val_fraction": 0.2}))
+    assert split.changed == "data.val_fraction 0.1 then, 0.2 now; training/validation tokens 3,420/380 then, 3,040/760 now"
+
+    (tmp_path / "a" / "2.txt").write_text("a new shard\n")
+    grown = compare(then, data, corpus_identity_of(tmp_path / "a", tmp_path / "cache", data))
+    assert grown.changed.startswith(f"the text at data.path changed (sha256 {then['text_sha256'][:12]}.. then, ")
+    assert grown.changed.endswith("; 3,800 tokens then, 3,813 now)")
+
+    old = compare(None, data, then)  # a snapshot from before identities: accepted, with a note
+    assert old.changed is None and "predates recorded corpus identities" in old.note
+    old_split = compare(None, data, {**then, "val_fraction": 0.2})
+    assert old_split.changed.startswith("data.val_fraction 0.1 then, 0.2 now (the snapshot predates")
+    assert compare(None, None, then).changed is None  # no config either: nothing to compare, never a crash
+    url = "https://example.org/corpus.txt?X-Amz-Date=20260101T000000Z&X-Amz-Signature=ab12"
+    signed_anew = {**then, "path": url.replace("20260101", "20260102")}
+    assert compare(None, {**data, "path": url}, signed_anew) == compare(None, data, then)  # the same object

@@ -295,6 +295,30 @@ def test_wandb_offline_directory_holds_the_run_and_tensorboard_runs_beside_it(tm
     assert [h["step"] for h in wandb_history(later) if "train_loss" in h] == [15]
 
 
+@pytest.mark.cli
+def test_no_tracker_keeps_a_secret_from_the_command_line_or_the_environment(tmp_path, small_corpus):
+    """A presigned URL's signature on the command line (W&B's own metadata would record
+    sys.argv as given) and a credential from the environment: every file the three trackers
+    and the run wrote (wandb/, mlruns/, the event files, metrics.jsonl, .hydra/) is free of both."""
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    signature, token = "9f1c0e6d2b7a4c3e8f5d1a0b6c7e8f9aSIGNATURE", "env-token-5d8e2a7c41f9"
+    run_dir = tmp_path / "run"
+    # data.path exists, so the presigned download URL is only part of the command line.
+    text = train(run_dir, small_corpus, "logger=[wandb,mlflow,tensorboard]", "trainer.max_steps=5",
+                 f'data.download_url="http://127.0.0.1:9/input.txt?X-Amz-Expires=3600&X-Amz-Signature={signature}"',
+                 "+trainer.storage_options.token=${oc.env:I29_TOKEN}", nproc=0,
+                 env=tracked_env(WANDB_MODE="offline", I29_TOKEN=token))
+    written = list(run_dir.rglob("*"))
+    assert {"wandb", "mlruns", "tensorboard", "metrics.jsonl", ".hydra"} <= {p.name for p in written}
+    assert glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    for secret in (signature, token):
+        assert secret not in text
+        leaked = [p for p in written if secret in p.name or p.is_file() and secret.encode() in p.read_bytes()]
+        assert not leaked, (secret, leaked)
+
+
 @pytest.mark.dist
 def test_a_missing_tracker_is_one_clear_error_on_every_rank_before_training(tmp_path, small_corpus):
     run_dir = tmp_path / "run"

@@ -136,3 +136,53 @@ def test_resume_takes_optimizer_settings_from_the_config_not_the_snapshot(text):
     assert matrices and all(g["lr_scale"] == pytest.approx(1e-4 / 1e-3) and g["momentum"] == 0.8 for g in matrices)
     assert all(tuple(g["betas"]) == (0.8, 0.9) for g in groups)
     assert resumed.optimizer.state_dict()["state"], "the moments still come from the snapshot"
+
+
+class RecordingSaver:
+    """BackgroundSaver's interface, keeping what each save was handed."""
+    failed, error, last_saved = False, None, None
+
+    def __init__(self):
+        self.saved = []
+
+    def submit(self, state, step):
+        self.saved.append((step, state["train_state"], state.get("failed_check", "not recorded")))
+
+    def wait(self):
+        return None
+
+
+def test_the_last_snapshot_is_saved_after_the_final_evaluation_and_the_check(text):
+    """The last step is saved once, after the final evaluation and the end-of-run check: saved in
+    the loop (snapshot_every_steps reaching it), it held no final val_loss and had passed no check."""
+    trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1)
+    trainer.saver = saver = RecordingSaver()
+    val_loss = trainer.fit()
+    assert [step for step, _, _ in saver.saved] == [2, 4]
+    _, state, failed_check = saver.saved[-1]
+    assert state["last_val_loss"] == val_loss and failed_check is None, (state, failed_check)
+
+
+@pytest.mark.parametrize("stopped_at_the_end", [False, True])
+def test_a_failed_end_of_run_check_is_recorded_in_the_last_snapshot(text, stopped_at_the_end):
+    """The ranks' parameters differ at the end (the check's answer stands in for two ranks'):
+    the last snapshot is saved with the failed check, then the run fails, also when a stop
+    signal came at the last step."""
+    import os
+    import signal
+
+    from mingpt_ddp import errors
+
+    trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1, log_every=2)
+    trainer.saver = saver = RecordingSaver()
+    failed = {"check": "parameters identical on all ranks", "message": "parameters differ between ranks (...)"}
+    trainer._check_ranks_agree = lambda: failed
+    if stopped_at_the_end:
+        trainer.step_callbacks.append(lambda t: t.state.step == 4 and os.kill(os.getpid(), signal.SIGUSR1))
+    with pytest.raises(errors.UserFacingError, match=r"parameters differ between ranks \(\.\.\.\): the last snapshot .* "
+                                                 r"trainer\.resume_failed_check=true") as raised:
+        trainer.fit()
+    # a person compares the nodes: exit 2 and recorded as a ConfigError, never requeued as a RunError
+    assert errors.class_of(raised.value) is errors.ConfigError and raised.value.exit_code == 2, type(raised.value)
+    assert trainer.stopped_by == ("SIGUSR1" if stopped_at_the_end else None)
+    assert [(step, check) for step, _, check in saver.saved] == [(2, None), (4, failed)]

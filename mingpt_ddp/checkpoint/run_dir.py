@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.errors import ConfigError, record
 
 
 def check_writable_dir(path: str, key: str) -> None:
@@ -163,8 +163,17 @@ def remember_hydra_files(run_dirs: list[str], output_subdir: Optional[str]) -> N
                 pass
 
 
+def keep_hydra_files(run_dir: str) -> None:
+    """The run in `run_dir` has begun training: its `.hydra/` files describe it from now on,
+    so the earlier run's are forgotten (restore_hydra_files then leaves them)."""
+    root = os.path.abspath(run_dir)
+    for path in [p for p in _earlier_hydra_files if os.path.dirname(os.path.dirname(p)) == root]:
+        del _earlier_hydra_files[path]
+
+
 def restore_hydra_files(run_dir: str) -> None:
-    """Put back the `.hydra/` files remembered for `run_dir` (nothing if it had none)."""
+    """Put back the `.hydra/` files remembered for `run_dir` (nothing if it had none, or
+    once keep_hydra_files was called for it)."""
     root = os.path.abspath(run_dir)
     for path, blob in _earlier_hydra_files.items():
         if os.path.dirname(os.path.dirname(path)) == root:
@@ -176,11 +185,13 @@ def _rank() -> int:
 
 
 def _refuse(exc: ConfigError) -> None:
-    """Exit as main() does for a ConfigError: one line from rank 0, code 2. The other ranks
-    (no process group yet to agree through) give rank 0 a moment to print it: a launcher
-    that sees one of them exit first stops rank 0 at once, its line unprinted."""
+    """Exit as main() does for a ConfigError: recorded for the launchers, one line from rank 0,
+    code 2. The other ranks (no process group yet to agree through) give rank 0 a moment to
+    print it: a launcher that sees one of them exit first stops rank 0 at once, its line unprinted."""
+    message = storage.redact(str(exc))
+    record(exc, message)
     if _rank() == 0:
-        print(f"error: {storage.redact(str(exc))}", file=sys.stderr, flush=True)
+        print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(REPORT_GRACE_S)
     sys.exit(ConfigError.exit_code)

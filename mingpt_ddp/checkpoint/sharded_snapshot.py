@@ -69,6 +69,7 @@ except ImportError:  # without it: local paths through the public FileSystemRead
     FsspecReader, FsspecWriter = FileSystemReader, FileSystemWriter
 HAS_FSSPEC_DCP = FsspecReader is not FileSystemReader
 
+from mingpt_ddp import errors
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
@@ -660,7 +661,7 @@ class ShardedSnapshotStore:
                 self._write_whole(f"{directory}/{META}", meta_blob)
             except Exception as exc:
                 outcome = (f"preparing sharded snapshot {where} failed: {storage.describe(exc)}",
-                           storage.is_transient(exc))
+                           _transient(exc))
         outcome = _from_rank0(group, outcome)
         if outcome[0]:
             return outcome
@@ -684,7 +685,7 @@ class ShardedSnapshotStore:
                 hashed[name] = {"size": size, "sha256": digest}
         except Exception as exc:
             hashed = {"error": f"rank {rank}: hashing its files failed: {storage.describe(exc)}",
-                      "transient": storage.is_transient(exc)}
+                      "transient": _transient(exc)}
         everyone = _agree(group, hashed)
         if rank == 0:
             outcome = self._commit(step, directory, everyone, _group_size(group))
@@ -713,7 +714,7 @@ class ShardedSnapshotStore:
             if self.is_local:  # the step directory's own entry, before retention removes older ones
                 storage.fsync_dir(self.root)
         except Exception as exc:
-            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}", storage.is_transient(exc)
+            return f"committing sharded snapshot {where} failed: {storage.describe(exc)}", _transient(exc)
         log.info("saved sharded snapshot %s (step %d)", where, step)
         try:
             self._apply_retention(step)
@@ -813,9 +814,12 @@ def _why(exc: BaseException) -> str:
 
 
 def _transient(exc: BaseException) -> bool:
+    """Worth retrying while training goes on: what storage.is_transient retries, and an
+    unknown host or an untrusted certificate too. The store answered at start, so mid-run
+    they are a DNS or certificate-rotation hiccup (final at start, where they mean a typo)."""
     if isinstance(exc, CheckpointException):
-        return bool(exc.failures) and all(storage.is_transient(inner) for inner, _ in exc.failures.values())
-    return storage.is_transient(exc)
+        return bool(exc.failures) and all(_transient(inner) for inner, _ in exc.failures.values())
+    return storage.is_transient(exc) or storage.lasting_network_cause(exc) is not None
 
 
 def _unloadable(where: str, exc: BaseException) -> str:
@@ -888,6 +892,8 @@ class ShardedSaver:
             error = self._handle.wait()
             if self._handle.committed:
                 self.last_saved = self._handle.directory
+                if dist.is_initialized() and dist.get_rank() == 0 or not dist.is_initialized():
+                    errors.record_progress(self._handle.step)  # launch/train.sbatch: the run advanced
             self._error = error or self._error
             self._handle = None
 

@@ -39,6 +39,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Union
 import torch
 
 from mingpt_ddp.checkpoint import storage
+from mingpt_ddp import errors
 from mingpt_ddp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -541,6 +542,7 @@ class BackgroundSaver:
                 log.warning("saving works again after %d failed attempts", self._failures)
             self._failing_since, self._failures = None, 0
             log.info("saved snapshot %s (step %d)", self.last_saved, step)
+            errors.record_progress(step)  # launch/train.sbatch: the run advanced
             return
 
     def _join(self) -> None:

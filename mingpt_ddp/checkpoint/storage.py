@@ -10,16 +10,21 @@ in any key (``https://user:pw@host``) may only be given as an ``${oc.env:VAR}``
 interpolation: Hydra writes ``.hydra/config.yaml`` from the unresolved config before any
 of our code runs, so only the interpolation's text lands there. A literal one is refused
 (ConfigError) and rank 0 scrubs it from the ``.hydra/`` files Hydra already wrote.
-Credentials in URL query strings (presigned URLs) may be literal. Every resolved secret,
+Credentials in URL query strings (presigned URLs) may be literal (typed on the command
+line, they are in `ps` for every local user: the run warns, command_line_warning). Every resolved secret,
 and those in the URLs of the environment the run reads (MLFLOW_TRACKING_URI, ...), are
 redacted from log records, Hydra's files, the config stored in snapshots and sent to
 trackers, tracker run references and error messages.
 """
 from __future__ import annotations
 
+import errno
+import http.client
 import logging
 import os
 import re
+import socket
+import ssl
 import sys
 import time
 import uuid
@@ -181,9 +186,77 @@ def s3_put_if(fs, path: str, data: bytes, if_match: Optional[str] = None) -> Opt
 
 
 # ---- retries ----------------------------------------------------------------------------
+# Failures to reach a server, by class name (aiohttp's and fsspec's, without importing them).
+_NETWORK_NAMES = {"ClientConnectionError", "ClientPayloadError", "FSTimeoutError"}
+# A network down or a route missing for a moment: plain OSErrors, not ConnectionErrors.
+_NETWORK_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN}
+# TLS failures that are a connection cut during the handshake, not a certificate refused.
+_TLS_DROPS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+# Failures to reach a server that no wait mends, by class name (aiohttp's): an untrusted
+# certificate, a TLS handshake the server refuses.
+_LASTING_NAMES = {"ClientSSLError", "ClientConnectorCertificateError"}
+
+
+def _chain(exc: Optional[BaseException]) -> Iterable[BaseException]:
+    """`exc` and the exceptions behind it (causes, else contexts), outermost first."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+
+
+def _lasting(exc: BaseException) -> bool:
+    if isinstance(exc, socket.gaierror):  # a host name that does not exist; EAI_AGAIN is a DNS outage
+        return exc.errno != socket.EAI_AGAIN
+    if isinstance(exc, ssl.SSLError):
+        return not isinstance(exc, _TLS_DROPS)
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & _LASTING_NAMES) or ("ClientConnectorDNSError" in names and (
+        "not known" in str(exc) or "No address associated" in str(exc)))
+
+
+def lasting_network_cause(exc: BaseException) -> Optional[BaseException]:
+    """The failure behind `exc` that retrying cannot mend, if there is one: an unknown host
+    name (a typo in the URL) or a certificate this machine does not trust. The network
+    answered; the input or the trust store needs fixing."""
+    return next((link for link in _chain(exc) if _lasting(link)), None)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    status = getattr(exc, "status", None)
+    return (isinstance(exc, (ConnectionError, TimeoutError, http.client.IncompleteRead))
+            or (isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_AGAIN)
+            or (isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS)
+            or any(cls.__name__ in _NETWORK_NAMES for cls in type(exc).__mro__)
+            or (isinstance(status, int) and (status >= 500 or status in (408, 429))))
+
+
+def network_cause(exc: BaseException) -> Optional[BaseException]:
+    """The failure to reach the server behind `exc`, if there is one: a refused, reset or
+    cut connection (a body shorter than announced), a timeout, a temporary DNS failure,
+    throttling or a 5xx answer anywhere in its chain of causes, and nothing that no wait
+    mends (lasting_network_cause) behind it. fsspec's HTTP filesystem raises
+    FileNotFoundError for any failed HEAD/GET, a refused connection included (with the
+    real error as its cause), and urllib URLError for every failure before an answer, a
+    mistyped scheme or path included: the cause decides."""
+    if lasting_network_cause(exc) is not None:
+        return None
+    return next((link for link in _chain(exc) if _unreachable(link)), None)
+
+
 def is_transient(exc: BaseException) -> bool:
-    """Worth retrying: connection failures, timeouts, throttling, 5xx. Not worth it: a
-    missing bucket or file, access denied, missing credentials, bad options."""
+    """Worth retrying: connection failures, timeouts, throttling, 5xx, whatever exception
+    wraps them. Not worth it: a missing bucket or file, access denied, missing credentials,
+    bad options, an unknown host, an untrusted certificate, and what the project has
+    already turned into a user-facing error."""
+    if isinstance(exc, ConfigError) or lasting_network_cause(exc) is not None:
+        return False
+    if network_cause(exc) is not None:
+        return True
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and 400 <= status < 500:  # an answer (not found, refused), not an outage
+        return False
     if isinstance(exc, _PERMANENT):
         return False
     return not any(cls.__name__ in _PERMANENT_NAMES for cls in type(exc).__mro__)
@@ -203,7 +276,8 @@ def backoff_delays(first: float = 0.5, cap: float = 30.0) -> Iterable[float]:
 
 
 def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Callable[[], float] = time.monotonic,
-                    sleep: Callable[[float], None] = time.sleep) -> T:
+                    sleep: Callable[[float], None] = time.sleep,
+                    transient: Callable[[BaseException], bool] = is_transient) -> T:
     """Call `fn`; retry transient failures with exponential backoff for up to `minutes`,
     logging each with `what` and the error. Permanent failures are raised at once; past the
     limit, the last error is raised as it is (the caller turns it into a ConfigError)."""
@@ -213,10 +287,10 @@ def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Calla
             return fn()
         except Exception as exc:
             elapsed = clock() - start
-            if not is_transient(exc) or elapsed + delay > 60 * minutes:
+            if not transient(exc) or elapsed + delay > 60 * minutes:
                 raise
             log.warning("%s failed (%s); retrying in %.1fs (%.0fs of %.1f min so far)",
-                        what, describe(exc), delay, elapsed, minutes)
+                        what, describe(network_cause(exc) or exc), delay, elapsed, minutes)
             sleep(delay)
     raise AssertionError("unreachable")
 
@@ -331,6 +405,26 @@ def redact_url_secrets(text: str) -> str:
     if "=" in text:
         text = _URL_SECRET_PARAM.sub(lambda m: f"{m['name']}={REDACTED}" if m["value"] != REDACTED else m[0], text)
     return text
+
+
+def command_line_warning(argv: Iterable[str]) -> Optional[str]:
+    """The warning for overrides whose URLs carry credentials as typed (a presigned URL's
+    query): redacted wherever the run shows or stores them, but any local user reads a
+    process's command line (`ps`, /proc) while it runs, unlike its environment. None when
+    there are none (an ``${oc.env:VAR}`` puts only the reference on the command line)."""
+    keys = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        typed = re.sub(r"\$\{[^}]*\}", "", value)  # what an interpolation resolves to is not on the command line
+        if sep and redact_url_secrets(typed) != typed:
+            keys.append(key.lstrip("+~"))
+    if not keys:
+        return None
+    keys = list(dict.fromkeys(keys))
+    return (f"{', '.join(keys)} on the command line holds a URL's credentials (a presigned URL's query): they are "
+            "shown and stored only as <redacted>, but any user of this machine can read them with `ps` while the "
+            f"run lasts. Pass the URL from the environment instead: '{keys[0]}=${{oc.env:MY_URL}}' with MY_URL "
+            "exported (see docs/storage.md)")
 
 
 class Secrets:

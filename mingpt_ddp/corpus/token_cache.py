@@ -19,8 +19,11 @@ written atomically. The cache is keyed by what decides its content, never by nam
 - a token file per text and encoding: ``<text hash>-<encoding hash>.<dtype>``. Nodes
   with their own copies of one text share it, other text never does.
 
-Every use touches the files it used; only files nobody has used for UNUSED_FOR_S are
-removed, so a node never deletes what another node sharing the cache is about to map.
+Every use touches the files it used, and a live run keeps touching them (keep_fresh) every
+KEEP_FRESH_S; only files nobody has touched for UNUSED_FOR_S are removed, so neither a node
+about to map a file nor a run that has been training for days loses its files to another
+job's clean-up (the modification time is the signal: it holds on NFS and Lustre, where a
+lock may not reach other nodes).
 Every rank then memory-maps the token file, so a node keeps one copy in its page cache.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import codecs
 import contextlib
 import glob
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -60,6 +64,8 @@ ID_DTYPES = (np.uint8, np.uint16)
 # A cache file nobody has used for this long is removed. Far longer than any start-up, so
 # a file another node has just made or reused (and touched) is never taken from under it.
 UNUSED_FOR_S = 24 * 3600
+# A live run touches its cache files this often: a day-long run keeps them far from UNUSED_FOR_S.
+KEEP_FRESH_S = 3600.0
 # What an HTTP server says about a file's content; without any, a copy cannot be trusted.
 HTTP_VALIDATORS = ("ETag", "Content-MD5", "Digest", "Last-Modified")
 
@@ -93,27 +99,43 @@ def local_copy_path(url: str, cache_dir: Optional[str]) -> str:
     return os.path.join(cache_root(cache_dir), f"{digest}-{name}")
 
 
-def download(url: str, dest: str, timeout_s: float = 30.0) -> None:
-    """Fetch `url` into `dest` atomically: a reader sees the whole file or none. On failure
-    nothing is left behind, not even the directories made for it."""
+def download(url: str, dest: str, timeout_s: float = 30.0, retry_minutes: float = 0.0) -> None:
+    """Fetch `url` into `dest` atomically: a reader sees the whole file or none, and only
+    the whole file (a body shorter than its Content-Length is a cut connection, not the
+    corpus). A server that cannot be reached is retried for `retry_minutes`; anything else
+    (a 4xx answer, an unknown host, an untrusted certificate, a mistyped URL) is final at
+    once. On failure nothing is left behind, not even the directories made for it."""
     directory = os.path.dirname(os.path.abspath(dest))
     made = _missing_directories(directory)
     os.makedirs(directory, exist_ok=True)
     log.info("downloading %s -> %s", storage.redact(url), dest)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".download-")
+    os.close(fd)
     done = False
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+
+    def fetch() -> None:
+        with open(tmp, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            received = 0
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
+                received += len(chunk)
+            # urllib's read returns b"" when the server closes early, whatever Content-Length said.
+            announced = resp.headers.get("Content-Length", "")
+            if announced.strip().isdigit() and received < int(announced):
+                raise ConnectionResetError(f"the connection closed after {received:,} of {int(announced):,} bytes")
             out.flush()
             os.fsync(out.fileno())
+
+    try:
+        storage.retry_transient(fetch, f"downloading {storage.redact(url)}", retry_minutes,
+                                transient=lambda exc: storage.network_cause(exc) is not None)
         os.replace(tmp, dest)
         done = True
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise ConfigError(
             f"data file {dest} is missing and downloading it from {storage.redact(url)} failed "
-            f"({storage.describe(exc)}): put a UTF-8 text file at {dest}, or set data.path=<your text file>"
+            f"({storage.describe(storage.network_cause(exc) or exc)}): check data.download_url, put a UTF-8 text "
+            f"file at {dest}, or set data.path=<your text file>"
         ) from None
     finally:
         if not done:
@@ -200,6 +222,9 @@ def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float)
     """`url` is as shown (redacted)."""
     cache_dir = os.path.dirname(local)
     status = getattr(exc.__cause__, "status", None)  # fsspec's HTTP filesystem: the response behind the error
+    # A server that could not be reached: fsspec's HTTP filesystem raises even that as
+    # FileNotFoundError, with the real error as its cause (retried until here, not missing).
+    unreachable = storage.network_cause(exc)
     if local and isinstance(exc, OSError) and exc.filename and str(exc.filename).startswith(cache_dir):
         return (f"cannot keep a copy of {url} in data.cache_dir={cache_dir} ({storage.describe(exc)}): "
                 "set data.cache_dir to a writable local directory")
@@ -207,13 +232,17 @@ def _fetch_error(url: str, local: str, exc: BaseException, retry_minutes: float)
         why = f"HTTP {status}" if status else storage.describe(exc)
         return (f"cannot read data file {url} ({why}): check the credentials (AWS_* environment, AWS_PROFILE, "
                 "instance role, data.storage_options; a presigned URL may have expired)")
-    if isinstance(exc, FileNotFoundError):
+    lasting = storage.lasting_network_cause(exc)  # an unknown host, an untrusted certificate: not retried
+    if lasting is not None:
+        return (f"cannot reach the server of data file {url} ({storage.describe(lasting)}): check the host name in "
+                "data.path, and that this machine trusts the server's certificate")
+    if isinstance(exc, FileNotFoundError) and unreachable is None:
         return f"data file not found: {url}: set data.path=<a UTF-8 text file or URL>"
     if isinstance(exc, IsADirectoryError):
         return f"data.path={url} is a directory: point it at a text file"
-    return (f"cannot read data file {url} ({storage.describe(exc)}) after retrying for trainer.load_retry_minutes="
-            f"{retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or data.storage_options), the network and the "
-            "credentials")
+    return (f"cannot read data file {url} ({storage.describe(unreachable or exc)}) after retrying for "
+            f"trainer.load_retry_minutes={retry_minutes:g}: check the endpoint (AWS_ENDPOINT_URL or "
+            "data.storage_options), the network and the credentials")
 
 
 def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[Mapping[str, Any]] = None,
@@ -223,7 +252,7 @@ def ensure_local_copy(path: str, url: Optional[str], storage_options: Optional[M
     if is_remote(path):
         fetch_to_cache(path, storage_options, local_copy_path(path, cache_dir), retry_minutes)
     elif url and not os.path.exists(path):
-        download(url, path)
+        download(url, path, retry_minutes=retry_minutes)
 
 
 def _visible(name: str) -> bool:
@@ -293,7 +322,7 @@ def resolve_sources(path: str, download_url: Optional[str], storage_options: Opt
                     cache_dir: Optional[str], retry_minutes: float) -> list[Source]:
     """The corpus's files, readable from this node's disk (downloaded or fetched first)."""
     if not is_remote(path) and download_url and not os.path.exists(path) and not glob.has_magic(path):
-        download(download_url, path)
+        download(download_url, path, retry_minutes=retry_minutes)
     sources = []
     for url in list_files(path, storage_options, retry_minutes):
         if is_remote(url):
@@ -454,6 +483,9 @@ class TokenFile:
     tokenizer: Optional[str] = None  # bpe/gpt2: the tokenizer's file in <cache_dir>/tokens (tokenizer.to_dict as JSON)
     train_tokens: Optional[int] = None  # bpe/gpt2: tokens before the split (None: CharCorpus splits by val_fraction)
     fingerprint: Optional[str] = None  # bpe/gpt2: tokenizer.fingerprint of the tokenizer
+    # The cache files in `directory` a run on this token file needs (itself, its index entry
+    # and counts, its tokenizer, the trained BPE): what keep_fresh touches while it runs.
+    in_use: tuple[str, ...] = ()
 
 
 def tokens_dir(cache_dir: Optional[str]) -> str:
@@ -557,7 +589,7 @@ def prepare(path: str, download_url: Optional[str], storage_options: Optional[Ma
 def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
     """Plain text files as characters: two fast passes over the bytes."""
     shown = storage.redact(path)
-    corpus_bytes = sum(s.size for s in sources)
+    corpus_bytes = sum(s.size for s in sources) + len(SEPARATOR.encode()) * (len(sources) - 1)  # the joined text
     started = time.perf_counter()
 
     index_path = os.path.join(directory, index_key(sources) + ".json")
@@ -599,14 +631,15 @@ def _prepare_characters(path: str, sources: list[Source], directory: str, vocab:
                  corpus_bytes / 1e6, token_path, encode_s, corpus_bytes / 1e6 / max(encode_s, 1e-9))
     remove_unused(directory)
     return TokenFile(name, chars, entry["length"], dtype.name, shown, corpus_bytes, encode_s, directory,
-                     entry["text_sha256"])
+                     entry["text_sha256"], in_use=(os.path.basename(index_path), name))
 
 
 def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
     """Remove the cache files nobody has used for `unused_for_s` (each use touches them):
     earlier versions of a text, index entries of files that changed, what a killed writer
     left. Never a file in use: another node sharing the cache touched it moments ago, and a
-    process still mapping a file it made long ago keeps its mapping (unlink does not touch it)."""
+    live run touches its files every KEEP_FRESH_S (keep_fresh), so its restart (a requeue,
+    an elastic restart) finds them instead of encoding the corpus again."""
     cutoff = time.time() - unused_for_s
     try:
         entries = list(os.scandir(directory))
@@ -619,6 +652,30 @@ def remove_unused(directory: str, unused_for_s: float = UNUSED_FOR_S) -> None:
                 os.unlink(entry.path)
         except OSError:
             pass
+
+
+_fresh: dict[str, Any] = {"paths": (), "thread": None}
+_fresh_changed = threading.Event()
+
+
+def keep_fresh(paths: tuple[str, ...]) -> None:
+    """Touch `paths` every KEEP_FRESH_S for as long as this process lives, so that no
+    remove_unused (another job's prepare on a shared cache) takes them while this run uses
+    them. Replaces what the process kept fresh before: a process trains on one corpus at a
+    time (a sweep's next point, a resume's re-encoding with the snapshot's ids, its own).
+    A daemon thread: it ends with the process, and then the files age as any others."""
+    _fresh["paths"] = tuple(paths)
+    _fresh_changed.set()  # (re)reads KEEP_FRESH_S and the paths now
+    if _fresh["thread"] is None:
+        def touch_forever() -> None:
+            while True:
+                _fresh_changed.wait(KEEP_FRESH_S)
+                _fresh_changed.clear()
+                for path in _fresh["paths"]:
+                    _touch(path)
+
+        _fresh["thread"] = threading.Thread(target=touch_forever, daemon=True, name="token-cache-keep-fresh")
+        _fresh["thread"].start()
 
 
 def document_stream(sources: list[Source], text_column: str):
@@ -696,12 +753,16 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
         log.info("data %s: encoded %.1f MB into %s tokens (%s) in this node's token cache %s in %.1f s (%.1f MB/s)",
                  path, corpus_bytes / 1e6, f"{counts['length']:,}", tok.describe(), token_path, encode_s,
                  corpus_bytes / 1e6 / max(encode_s, 1e-9))
-    for used in (meta_path, token_path, counts_path, *([os.path.join(directory, tokenizer_name)] if tokenizer_name else [])):
-        _touch(used)  # in use: remove_unused leaves it alone
+    trained = _trained_bpe_name(key, how)
+    in_use = tuple(n for n in (os.path.basename(meta_path), name, os.path.basename(counts_path), tokenizer_name,
+                               trained) if n and os.path.exists(os.path.join(directory, n)))
+    for used in in_use:
+        _touch(os.path.join(directory, used))  # in use: remove_unused leaves it alone
     remove_unused(directory)
     return TokenFile(name, tok.vocab.chars if char else "", counts["length"], tok.dtype.name, path, corpus_bytes,
                      encode_s, directory=directory, text_sha256=meta["text_sha256"], tokenizer=tokenizer_name,
-                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint)
+                     train_tokens=None if char else counts["train_tokens"], fingerprint=None if char else fingerprint,
+                     in_use=in_use)
 
 
 def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
@@ -720,8 +781,7 @@ def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dic
         return tokenizer.from_dict(how.state, how.download)
     if how.kind == "gpt2":
         return tokenizer.load_gpt2(how.download)
-    trained = os.path.join(directory, f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}"
-                                      ".tokenizer.json")
+    trained = os.path.join(directory, _trained_bpe_name(key, how))
     if os.path.exists(trained):
         _touch(trained)
         return tokenizer.from_dict(_read_json(trained))
@@ -729,6 +789,13 @@ def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dic
     tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars)
     storage.write_local_atomically(trained, lambda out: out.write(json.dumps(tok.to_dict()).encode()))
     return tok
+
+
+def _trained_bpe_name(key: str, how: Tokenization) -> Optional[str]:
+    """The cached BPE trained for this corpus and these settings (None: no BPE is trained)."""
+    if how.kind != "bpe" or how.state is not None:
+        return None
+    return f"{key}-bpe-{_digest([how.vocab_size, how.train_chars, how.val_fraction])}.tokenizer.json"
 
 
 def load_tokenizer(token_file: TokenFile, cache_dir: Optional[str]) -> tokenizer.Tokenizer:
@@ -909,6 +976,8 @@ def load_corpus(cfg: config.DataConfig, dist: distributed.DistEnv, retry_minutes
         dist, once_per_node=True,
     )
     token_file = this_nodes_token_file(made[0] if made else None, dist)
+    if made:  # the process that made or reused this node's files keeps them from removal while the run lives
+        keep_fresh(tuple(os.path.join(made[0].directory, name) for name in made[0].in_use))
 
     def open_here() -> tuple[CharCorpus, tokenizer.Tokenizer]:  # each rank maps its node's file: it may fail on some ranks only
         tokens = open_tokens(token_file, cfg.cache_dir)

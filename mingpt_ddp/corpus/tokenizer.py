@@ -91,8 +91,14 @@ class Tokenizer:
         return decode_bytes(eot if i == self.eot_id else self.token_bytes(i) for i in map(int, ids))
 
     def byte_lengths(self) -> np.ndarray:
-        """UTF-8 bytes per id (0 for special tokens), the weights of bits per byte."""
-        return np.array([len(self.token_bytes(i)) for i in range(self.size)], dtype=np.int32)
+        """UTF-8 bytes per id, the weights of bits per byte. <|endoftext|> counts as the one
+        byte of the newline it stands for: val_bpb divides by the text of the documents joined
+        by newlines, which `char` encodes with a newline token, so every tokenizer divides the
+        same text by the same bytes and predicts every document boundary it holds."""
+        lengths = np.array([len(self.token_bytes(i)) for i in range(self.size)], dtype=np.int32)
+        if self.eot_id is not None:
+            lengths[self.eot_id] = 1  # b"\n"
+        return lengths
 
     @property
     def separator_ids(self) -> np.ndarray:

@@ -35,7 +35,7 @@ import torch.distributed as torch_dist
 from mingpt_ddp.tools import bench
 from mingpt_ddp import distributed
 from mingpt_ddp.distributed import DistEnv
-from mingpt_ddp.errors import ConfigError, UserFacingError
+from mingpt_ddp.errors import ConfigError, UserFacingError, record
 
 TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -222,6 +222,7 @@ def main() -> int:
         problem = str(exc)
     if problem is None:
         return 0
+    record(ConfigError, f"preflight: {problem}")
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"error: preflight: {problem}", file=sys.stderr, flush=True)
     return ConfigError.exit_code

@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 RESULT_FILE = "result.json"  # how a sweep point ended, written by rank 0 (sweep.write_result)
+
+
+def read_result(run_dir: Union[str, Path]) -> dict[str, Any]:
+    """How a sweep point ended, from its result file; {} when there is none (or it is unreadable)."""
+    try:
+        result = json.loads((Path(run_dir) / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return result if isinstance(result, dict) else {}
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.tools.plot import plot_runs
-from mingpt_ddp.tools.runs import RESULT_FILE, distinguishing_overrides, read_metrics, sweep_points
+from mingpt_ddp.tools.runs import RESULT_FILE, distinguishing_overrides, read_metrics, read_result, sweep_points
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def write_result(run_dir: str, record: dict[str, Any]) -> None:
 
 def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
     """One summary row: the point's result file plus figures from its metrics."""
-    result = json.loads((run_dir / RESULT_FILE).read_text()) if (run_dir / RESULT_FILE).exists() else {}
+    result = read_result(run_dir)
     metrics = read_metrics(run_dir)
     train = [m["train_loss"] for m in metrics if "train_loss" in m]
     val = [m["val_loss"] for m in metrics if m.get("val_loss") is not None]

@@ -21,6 +21,12 @@ Takes exactly torchrun's arguments. Differences:
   to fatal messages; the workers' is left alone). Workers that failed after reporting
   their own `error:` line (or died of a signal) get a one-line summary; a worker that
   raised (a bug) keeps torchrun's failure summary with its traceback.
+- **The exit code says the error's class** (`exit_code_for`): 2 when a worker recorded a
+  ConfigError, else 1 when a worker crashed without a record (a signal other than the
+  agent's SIGTERM, or a traceback), else 4 when one recorded a RunError (mingpt_ddp.errors.record, in its
+  torchelastic error file), whichever worker exited first and whatever the others died of
+  when the agent stopped them; without a record, a class's code when every failed worker
+  exited with it; else 1. Plain torchrun exits 1 for any failed worker.
 - **Ctrl-C.** torchrun's agent forwards SIGINT to the workers (the trainer then stops every
   rank at an agreed step and saves a snapshot), waits for them, and re-raises the signal
   as a `SignalException`; here that ends in one line and exit status 128 + the signal; a
@@ -39,6 +45,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from mingpt_ddp import errors
 from mingpt_ddp.tools import network
 
 # c10d's rendezvous default port (torch.distributed.elastic.rendezvous.c10d_rendezvous_backend).
@@ -189,18 +196,44 @@ def rendezvous_failure(exc: BaseException, args: Any) -> str:
 
 
 def left_a_traceback(failure: Any) -> bool:
-    """The worker wrote an error file (an uncaught exception under @record). torch fills a
-    missing file's record with the message "<NONE>", which is no traceback."""
+    """The worker wrote an error file of an uncaught exception (@record). torch fills a
+    missing file's record with the message "<NONE>", which is no traceback; nor is the
+    record of a ConfigError or RunError (mingpt_ddp.errors.record)."""
     message = failure.error_file_data.get("message")
-    return bool(message) and message != "<NONE>"
+    return bool(message) and message != "<NONE>" and errors.recorded_class(failure.error_file_data) is None
+
+
+# The signals torchrun's agent stops the other workers with once one has failed: a worker that
+# died of one of these was stopped, not the cause.
+AGENT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def crashed(failure: Any) -> bool:
+    """A worker that died without recording a class: killed by a signal the agent does not
+    send (the kernel's OOM killer, SIGSEGV, SIGABRT) or with a traceback (a bug)."""
+    if errors.recorded_class(failure.error_file_data) is not None:
+        return False
+    return left_a_traceback(failure) or (failure.exitcode < 0 and -failure.exitcode not in AGENT_STOP_SIGNALS)
 
 
 def exit_code_for(failures: dict[int, Any]) -> int:
-    """2 when every failed worker exited 2 (their `error:` line), else the launch failure code.
-    Not 2 when the agent stopped the others by a signal: exit 2 is also a RunError (a hung
-    peer, a lost store) that train.sbatch should requeue, and bad input fails within seconds,
-    which its REQUEUE_MIN_STEP_SECONDS does not requeue either way."""
-    return 2 if all(f.exitcode == 2 for f in failures.values()) else RDZV_FAILED_EXIT
+    """This node's exit code, from the class each failed worker recorded, not from the first
+    exit code: the first worker to exit makes the agent stop the others (SIGTERM: they die
+    of it, exit 0 after a snapshot, or lose their peers, exit 3), whoever that was.
+    ConfigError's code (2) when any worker recorded one; else RDZV_FAILED_EXIT (1) when a
+    worker crashed (`crashed`: the others' RunErrors, e.g. a wait for it that ran out, are its
+    symptoms, and a crash is not requeued at once); else RunError's (4) when any recorded
+    that; without a record (an exit before main() could record, e.g. a tool's usage error, or
+    an error file that could not be written) a class's code when every failed worker exited
+    with it; else 1: a lost peer, a signal, a bug."""
+    recorded = {errors.recorded_class(f.error_file_data) for f in failures.values()}
+    codes = {f.exitcode for f in failures.values()}
+    for cls in errors.CLASSES:
+        if cls is errors.RunError and any(crashed(f) for f in failures.values()):
+            return RDZV_FAILED_EXIT
+        if cls in recorded or codes == {cls.exit_code}:
+            return cls.exit_code
+    return RDZV_FAILED_EXIT
 
 
 def workers_failed(exc: Any) -> Optional[str]:
