@@ -81,7 +81,7 @@ from mingpt_ddp import errors
 from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
-from mingpt_ddp.checkpoint.run_lock import RunLock
+from mingpt_ddp.checkpoint.run_lock import Locks, RunLock
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 from mingpt_ddp.tools.runs import read_result
 from mingpt_ddp.tools.sweep import write_result
@@ -223,11 +223,12 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> "Outcome":
     distributed.on_main_then_share(saves_to.check_writable, dist)
     lock = RunLock(files_at_path)  # one live run per snapshot location; rank 0 holds it
     distributed.on_main_then_share(lock.acquire, dist)
+    held = Locks(lock, run_dir_check.held_lock(run_dir))  # and the run directory's (main()): losing either stops it
     try:
         from_ddp = distributed.on_main_then_share(
             lambda: fsdp_continues_ddp_snapshots(cfg, files_at_path, snapshot_options), dist)
-        outcome = _resume_or_start(cfg, dist, run_dir, saves_to, files_at_path if from_ddp else None, lock)
-        distributed.on_main_then_share(lock.raise_if_lost, dist)  # lost after the last stop agreement
+        outcome = _resume_or_start(cfg, dist, run_dir, saves_to, files_at_path if from_ddp else None, held)
+        distributed.on_main_then_share(held.raise_if_lost, dist)  # lost after the last stop agreement
         return outcome
     finally:
         lock.release()
@@ -272,9 +273,9 @@ class Outcome(NamedTuple):
 
 def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
                      ddp_files: Optional[SnapshotStore] = None,
-                     lock: Optional[RunLock] = None) -> Outcome:
+                     lock: Optional[Locks] = None) -> Outcome:
     """`saves_to`: the store this run saves to (and resumes from); `ddp_files`: the DDP
-    snapshots an FSDP run starts from; `lock`: the run lock rank 0 holds (losing it stops the run).
+    snapshots an FSDP run starts from; `lock`: the run locks rank 0 holds (losing one stops the run).
     Every rank goes through the same steps in the same order: each has collectives."""
     found = load_agreed_snapshot(ddp_files or saves_to, dist)
     data = build_data(cfg, dist, found)
@@ -411,7 +412,7 @@ def settings_changed(saved: Any, cfg: DictConfig) -> list[str]:
 
 
 def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_files: Optional[SnapshotStore],
-                 lock: Optional[RunLock], found: Optional[AgreedSnapshot], data: RunData,
+                 lock: Optional[Locks], found: Optional[AgreedSnapshot], data: RunData,
                  resume: Optional[ResumeCheck] = None) -> Outcome:
     """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
@@ -601,6 +602,10 @@ def main(cfg: DictConfig) -> Optional[float]:
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
+        # One live run per run directory: a single run's rank 0 took it before Hydra wrote
+        # (RunDirCheck); a sweep point's, now. Refused: the point's .hydra/ goes back below.
+        key = "hydra.sweep.dir" if in_sweep else "hydra.run.dir"
+        distributed.on_main_then_share(lambda: run_dir_check.hold_run_dir(run_dir, key), dist)
         _check_ranks_resolved_the_same(cfg)
         status, val_loss, snapshot, corpus = train(cfg, dist, run_dir)
         error = ""

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, run_cli, s3_options
 from test_fault_tolerance import metrics_lines, wait_for
-from test_rank_agreement import expect_config_error, must_pass
+from test_rank_agreement import args, expect_config_error, must_pass
 
 JOB_VARS = ("SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_STEP_ID", "SLURM_RESTART_COUNT",
             "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -99,11 +99,21 @@ lock.release()
 """
 
 
+RUN_DIR_HOLDER = """
+import sys
+from mingpt_ddp.checkpoint import run_dir
+run_dir.hold_run_dir(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
 @contextmanager
-def holding(url, options=None, env=None, namespace=False, log=None):
+def holding(url, options=None, env=None, namespace=False, log=None, script=HOLDER):
     """A real process that takes the lock and holds it; with `namespace`, in a PID namespace
-    of its own (as in another container on this host: same host name, same kernel)."""
-    cmd = [PYTHON, "-c", HOLDER, str(url), json.dumps(options or {})]
+    of its own (as in another container on this host: same host name, same kernel).
+    script=RUN_DIR_HOLDER: the lock of the run directory `url`."""
+    cmd = [PYTHON, "-c", script, str(url), json.dumps(options or {})]
     if namespace:
         cmd = ["unshare", "--pid", "--mount-proc", "--kill-child", *cmd]
     full_env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
@@ -497,6 +507,111 @@ def test_two_runs_of_one_slurm_job_in_one_directory(tmp_path, small_corpus):
     assert "left by a run that is gone" in text and f"resumed from {run_dir}" in text, text
 
 
+@pytest.mark.cli
+def test_a_second_run_in_a_live_runs_directory_is_refused_whatever_its_snapshot_path(tmp_path, small_corpus,
+                                                                                     no_job):
+    """Issue 29, 7: the same hydra.run.dir, another trainer.snapshot_path: refused in one line
+    before Hydra writes, naming the live run; the live run's .hydra/ files and metrics.jsonl
+    are untouched (the metrics only grow, one writer); nothing is saved at the other path."""
+    run_dir = tmp_path / "run"
+    proc = start_a_losing_run(tmp_path, run_dir, small_corpus, "trainer.max_epochs=1000", "trainer.log_every=2")
+    try:
+        wait_for(lambda: metrics_lines(run_dir) >= 2, 120, "the first run training")
+        kept = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
+        metrics = (run_dir / "metrics.jsonl").read_bytes()
+        elsewhere = tmp_path / "elsewhere" / "snapshot.pt"
+        second = run_cli(args(run_dir, small_corpus, "trainer.max_steps=3", "trainer.seed=4242",
+                              f"trainer.snapshot_path={elsewhere}"), timeout=120)
+        assert proc.poll() is None, (tmp_path / "loser.log").read_text()
+        expect_config_error(second, "another run is live in the run directory", f"pid {proc.pid}", "hydra.run.dir")
+        assert {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()} == kept
+        grown = (run_dir / "metrics.jsonl").read_bytes()
+        assert grown.startswith(metrics) and b"4242" not in grown
+        steps = [json.loads(r)["step"] for r in grown.decode().splitlines() if '"step"' in r]
+        assert steps == sorted(steps), steps
+        assert not elsewhere.parent.exists() or not list(elsewhere.parent.glob("snapshot*"))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.cli
+def test_a_sweep_over_a_live_runs_directory_is_refused_before_hydra_writes(tmp_path, small_corpus, no_job):
+    """A run lives in what would be point 1's directory (its snapshots elsewhere): a sweep
+    there is refused in one line naming it, before any point runs or Hydra writes."""
+    sweep = tmp_path / "sweep"
+    with holding(sweep / "1", script=RUN_DIR_HOLDER) as holder:
+        proc = run_cli(["-m", "trainer.seed=1,2", *TINY, "trainer.max_steps=2", f"data.path={small_corpus}",
+                        f"hydra.sweep.dir={sweep}"], timeout=120)
+        expect_config_error(proc, "another sweep is live", f"in the run directory {sweep / '1'}",
+                            f"pid {holder.pid}", "hydra.sweep.dir")
+        assert sorted(str(p.relative_to(sweep)) for p in sweep.rglob("*")) == ["1", "1/.run.dir.lock"]
+
+
+@pytest.mark.dist
+def test_a_torchrun_run_in_a_live_runs_directory_is_refused_in_one_line(tmp_path, small_corpus, no_job):
+    """Every rank refuses (rank 1 by looking, rank 0 by the lock); rank 0 says so in one line
+    before the launcher, seeing rank 1 exit, stops it. Hydra wrote nothing there."""
+    run_dir = tmp_path / "run"
+    with holding(run_dir, script=RUN_DIR_HOLDER) as holder:
+        proc = run_cli(args(run_dir, small_corpus, "trainer.max_steps=2",
+                            f"trainer.snapshot_path={tmp_path / 'elsewhere' / 'snapshot.pt'}"), nproc=2, timeout=120)
+        expect_config_error(proc, "another run is live in the run directory", f"pid {holder.pid}")
+        assert [p.name for p in run_dir.iterdir()] == [".run.dir.lock"]
+
+
+@pytest.mark.unit
+def test_only_rank_0_holds_a_run_directory_and_the_others_refuse_another_launchs(tmp_path, no_job):
+    """Rank 0 of torchrun run exp1 holds the run directory; its other ranks pass (their own
+    rank 0 holds it), any rank of another launch is refused."""
+    from mingpt_ddp.checkpoint import run_dir
+    from mingpt_ddp.errors import ConfigError
+
+    no_job.setenv("TORCHELASTIC_RUN_ID", "exp1")
+    no_job.setenv("RANK", "0")
+    run_dir.hold_run_dir(str(tmp_path))
+    _, lock = run_dir._held.pop(str(tmp_path))  # as if in the process of rank 0, not this one
+    try:
+        no_job.setenv("RANK", "1")
+        run_dir.hold_run_dir(str(tmp_path))  # exp1's rank 1
+        assert run_dir.held_lock(str(tmp_path)) is None
+        no_job.setenv("TORCHELASTIC_RUN_ID", "exp2")
+        for rank in ("1", "0"):
+            no_job.setenv("RANK", rank)
+            with pytest.raises(ConfigError, match=f"another run is live in the run directory {tmp_path} "
+                                                  r"\(.*torchrun run exp1.*or use another hydra.run.dir"):
+                run_dir.hold_run_dir(str(tmp_path))
+    finally:
+        lock.release()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.unit
+def test_a_run_that_lost_its_run_directorys_lock_stops_as_for_its_snapshots(tmp_path, no_job):
+    """The trainer and the savers see the two locks rank 0 holds as one (main.train)."""
+    from mingpt_ddp.checkpoint import run_dir
+    from mingpt_ddp.checkpoint.run_lock import Locks
+    from mingpt_ddp.errors import RunError
+
+    snapshots = new_lock(tmp_path / "snapshot.pt", heartbeat_s=3600)
+    snapshots.acquire()
+    run_dir.hold_run_dir(str(tmp_path))
+    held = Locks(snapshots, run_dir.held_lock(str(tmp_path)))
+    assert held.confirm() is None and held.lost is None
+    os.unlink(tmp_path / ".run.dir.lock")  # removed by hand, then taken by another run
+    thief = run_dir._run_dir_lock(str(tmp_path), "hydra.run.dir")
+    thief.acquire()
+    why = held.confirm()
+    assert why and f"lost the run lock {tmp_path / '.run.dir.lock'}" in why and "this run directory" in why, why
+    assert held.lost == why
+    with pytest.raises(RunError, match="lost the run lock"):
+        held.raise_if_lost()
+    run_dir.release_run_dir(str(tmp_path))
+    snapshots.release()
+    assert (tmp_path / ".run.dir.lock").exists()  # the thief's, left alone
+    thief.release()
+
+
 @pytest.mark.unit
 def test_the_background_saver_writes_nothing_once_the_lock_is_lost(tmp_path, no_job):
     """The loss is acted on at the next stop agreement; until then the saver already refuses
@@ -583,6 +698,63 @@ def test_a_run_that_lost_its_lock_saves_nothing_more_even_between_stop_agreement
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("store", [pytest.param("local", marks=pytest.mark.unit),
+                                   pytest.param("memory", marks=pytest.mark.unit),
+                                   pytest.param("moto_s3", marks=pytest.mark.s3)])
+def test_a_background_write_under_way_when_the_lock_is_lost_is_not_published(tmp_path, request, no_job, store):
+    """The lock is confirmed before a write starts, and again before it is published (the
+    rename, "latest", retention): a write of minutes during which the lock was taken over
+    leaves nothing of it and the new holder's snapshot intact, and the saver reports the
+    loss. Local files; a store written by temp name then rename (memory://); S3, where the
+    object is visible once written, and is removed (the new holder's "latest" keeps its step)."""
+    import fsspec
+    import torch
+    from mingpt_ddp.checkpoint import snapshot
+    from mingpt_ddp.checkpoint.snapshot import BackgroundSaver, SnapshotStore, encode
+
+    lock_url = str(tmp_path / "snapshot.pt")
+    first = new_lock(lock_url, heartbeat_s=3600)  # the loss is found by the saver's own check
+    first.acquire()
+    url, options = lock_url, None
+    if store == "memory":
+        url = f"memory://{tmp_path}/snapshot.pt"
+    elif store != "local":
+        url, options = where_to_lock(store, tmp_path, request)
+    fs, root = fsspec.core.url_to_fs(url.rsplit("/", 1)[0], **(options or {}))
+    fs.makedirs(root, exist_ok=True)
+    taken = []
+
+    def taken_over_meanwhile(write):
+        def wrapped(*args, **kwargs):
+            if not taken:  # the write is under way: another run takes the lock and saves step 3
+                os.unlink(tmp_path / ".snapshot.lock")
+                taken.append(new_lock(lock_url))
+                taken[0].acquire()
+                SnapshotStore(url, storage_options=options).save(encode({"holder": torch.zeros(1)}, 3), 3)
+            return write(*args, **kwargs)
+        return wrapped
+
+    losing = SnapshotStore(url, storage_options=options)
+    if store == "local":  # streamed into a temp file
+        no_job.setattr(snapshot, "write_encoded", taken_over_meanwhile(snapshot.write_encoded))
+    else:  # uploaded (under a temp name, or as the object itself)
+        no_job.setattr(losing.fs, "pipe_file", taken_over_meanwhile(losing.fs.pipe_file))
+    saver = BackgroundSaver(losing, retry_minutes=1, run_lock=first)
+    saver.submit({"model": {"w": torch.ones(2)}, "train_state": {"step": 3}, "vocab": "ab"}, 3)
+    error = saver.wait()
+    assert taken, "the write never started"
+    assert error and "lost the run lock" in error, error
+    fs.invalidate_cache()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False))
+    left = ["snapshot.pt"] if store == "moto_s3" else ["snapshot.pt", "snapshot.step000000003.pt"]
+    assert [n for n in names if n.startswith("snapshot")] == left, names
+    assert not [n for n in names if "tmp" in n], names
+    for name in left:
+        assert "holder" in snapshot.decode(fs.cat_file(f"{root}/{name}"), name), name  # the new holder's
+    first.release()
+    taken[0].release()
+
+
 @pytest.mark.unit
 def test_the_sharded_saver_commits_nothing_once_the_lock_is_lost(tmp_path, no_job):
     """FSDP's saver: rank 0 held the lock; a save after it is lost is refused before it
@@ -657,8 +829,9 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
 
 @pytest.mark.unit
 def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
-    """Another run takes the lease over while its holder renews (right after the holder
-    looked at it): the renewal fails and the taker's record stays."""
+    """Another run takes the lease over while its holder renews late (past the time in which
+    no run may judge it gone; right after the holder looked at it): the renewal fails and
+    the taker's record stays."""
     from mingpt_ddp.checkpoint.run_lock import _FileLease
 
     path = str(tmp_path / ".snapshot.lock")
@@ -696,10 +869,10 @@ def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(t
     renewals = []
     real_renew = lock._lease.renew
 
-    def renew_then_fail(blob, version):
+    def renew_then_fail(blob, version, **when):
         if len(renewals) < 2:
             renewals.append(time.monotonic())
-            return real_renew(blob, version)
+            return real_renew(blob, version, **when)
         raise OSError(errno.EIO, "the store is unreachable")
 
     lock._lease.renew = renew_then_fail
@@ -709,3 +882,44 @@ def test_a_lease_that_cannot_be_renewed_is_lost_before_another_run_may_take_it(t
     assert lost_at - renewals[-1] < 3.0 and time.time() - heartbeat < 3.0, (lost_at - renewals[-1], lock.lost)
     assert "could not be renewed" in lock.lost, lock.lost
     lock.release()
+
+
+@pytest.mark.unit
+def test_a_newcomer_between_the_steps_of_a_healthy_renewal_is_refused(tmp_path, monkeypatch, no_job):
+    """Issue 29, 9: a lease file's renewal must leave no moment without the holder's record.
+    A newcomer tries to start after every filesystem step of a renewal: each try is refused
+    (the holder's process is alive), and the holder keeps its lease."""
+    from mingpt_ddp.checkpoint import run_lock
+    from mingpt_ddp.errors import ConfigError
+
+    monkeypatch.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # a lease
+    url = tmp_path / "snapshot.pt"
+    holder = new_lock(url, heartbeat_s=3600)  # renewed below, step by step, not by its thread
+    holder.acquire()
+    outcomes, trying = [], []
+
+    def then_a_newcomer(step):
+        def wrapped(*args, **kwargs):
+            result = step(*args, **kwargs)
+            if not trying:
+                trying.append(True)
+                newcomer = new_lock(url)
+                try:
+                    newcomer.acquire()
+                    outcomes.append(f"taken after {step.__name__}")
+                    newcomer.release()
+                except ConfigError as exc:
+                    outcomes.append(str(exc))
+                trying.clear()
+            return result
+        return wrapped
+
+    with monkeypatch.context() as steps:
+        for name in ("rename", "replace", "link", "unlink"):
+            steps.setattr(os, name, then_a_newcomer(getattr(os, name)))
+        why = holder._renew()
+    assert outcomes and all("another run is live on these snapshots" in o for o in outcomes), outcomes
+    assert why is None, why
+    assert read_owner(url)["token"] == holder.token
+    holder.release()
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())

@@ -390,11 +390,11 @@ class FlakyStore(SnapshotStore):
         self.down = threading.Event()
         self.attempts = 0
 
-    def save(self, blob, step):
+    def save(self, blob, step, confirm=None):
         self.attempts += 1
         if self.down.is_set():
             raise ConnectionError(f"Could not connect to the endpoint URL: {self.url}")
-        return super().save(blob, step)
+        return super().save(blob, step, confirm)
 
 
 @pytest.mark.unit

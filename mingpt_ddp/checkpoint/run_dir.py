@@ -1,20 +1,29 @@
-"""Check the run (or sweep) directory before Hydra writes into it; one live sweep per
-sweep directory.
+"""Check the run (or sweep) directory before Hydra writes into it; one live run per run
+directory, one live sweep per sweep directory.
 
 Hydra creates ``hydra.run.dir`` and writes ``.hydra/`` and ``main.log`` there before any
 of our code runs; an unwritable directory (a typo, a read-only mount) would end in three
 of Hydra's own ``FileNotFoundError`` tracebacks. This callback (registered in
 conf/config.yaml) runs first and answers with one line naming the key to change.
+
+The snapshots' lock (run_lock.py) covers a run directory only where the snapshots are;
+a run with another ``trainer.snapshot_path`` would still write the live run's ``.hydra/``
+and ``metrics.jsonl``. So rank 0 also holds ``<run dir>/.run.dir.lock`` (a RunLock: a
+kernel lock, or a lease where the filesystem has no cluster-wide flock), taken before
+Hydra writes anything for a single run, and for a sweep point as its run begins (Hydra has
+written the point's ``.hydra/`` by then: a refused point puts back what was there).
 """
 from __future__ import annotations
 
 import atexit
 import os
 import sys
+import time
 import uuid
 from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mingpt_ddp.checkpoint import storage
@@ -34,6 +43,66 @@ def check_writable_dir(path: str, key: str) -> None:
             f"cannot write to the {'sweep' if 'sweep' in key else 'run'} directory {path} "
             f"({exc.strerror or type(exc).__name__}): set {key}=<a writable directory>"
         ) from None
+
+
+RUN_DIR_LOCK = ".run.dir.lock"  # never a snapshot's `.<stem>.lock`: a stem holds no dot
+_held: dict[str, tuple[int, Any]] = {}  # run directory (absolute): (pid, the RunLock that process holds there)
+
+
+def _run_dir_lock(run_dir: str, key: str) -> Any:
+    from mingpt_ddp.checkpoint.run_lock import RunLock
+    from mingpt_ddp.checkpoint.snapshot import SnapshotStore
+
+    return RunLock(SnapshotStore(os.path.join(run_dir, "run")), name=RUN_DIR_LOCK,
+                   live=f"in the run directory {run_dir}", writes="this run directory", fix=key)
+
+
+def _same_launch(owner: dict[str, Any]) -> bool:
+    """Whether the holder may be this process's own rank 0: nothing shows another launch
+    (another Slurm job or step, another torchrun run). Lenient: rank 0 judges for itself."""
+    from mingpt_ddp.checkpoint.run_lock import job_instance
+
+    theirs, mine = owner.get("instance"), job_instance()
+    if not isinstance(theirs, dict):
+        return not owner  # a record being written: rank 0 decides
+    if (theirs.get("slurm_job"), theirs.get("slurm_step")) != (mine["slurm_job"], mine["slurm_step"]):
+        return False
+    agents = [str(t).startswith("agent ") for t in (theirs.get("torchrun"), mine["torchrun"])]
+    return theirs.get("torchrun") == mine["torchrun"] or all(agents)  # no rdzv id: one agent per node
+
+
+def hold_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
+    """One live run per run directory: rank 0 takes its lock (held until release_run_dir or
+    the process ends), or raises the ConfigError naming the live run there. The other ranks
+    only look, refusing a live run of another launch (their own rank 0 may hold it already)."""
+    root = os.path.abspath(run_dir)
+    if root in _held:
+        return
+    lock = _run_dir_lock(root, key)
+    if _rank() != 0:
+        lock.check_free(ours=_same_launch)
+        return
+    lock.check_free()  # a live run: refused at once, as the other ranks are (acquire waits 2 s to be sure)
+    lock.acquire()
+    _held[root] = (os.getpid(), lock)
+
+
+def held_lock(run_dir: str) -> Optional[Any]:
+    """The run directory's lock this process holds (rank 0), else None."""
+    pid, lock = _held.get(os.path.abspath(run_dir), (None, None))
+    return lock if pid == os.getpid() else None
+
+
+def release_run_dir(run_dir: Optional[str] = None) -> None:
+    """Release the lock of `run_dir` (all of them: None) that this process holds (not one
+    its parent held: a forked child exiting leaves the parent's lock alone)."""
+    for root in [os.path.abspath(run_dir)] if run_dir else list(_held):
+        pid, lock = _held.pop(root, (None, None))
+        if lock is not None and pid == os.getpid():
+            lock.release()
+
+
+atexit.register(release_run_dir)  # a run ended by an error or a signal too (the kernel lock ends with it anyway)
 
 
 def refuse_a_live_run(config: DictConfig) -> None:
@@ -61,6 +130,7 @@ def take_the_sweep_lock(config: DictConfig) -> Optional[Any]:
         for point in sorted(os.scandir(sweep_dir), key=lambda e: e.name):
             if point.is_dir():
                 RunLock(SnapshotStore(os.path.join(point.path, "snapshot.pt"))).check_free()
+                _run_dir_lock(point.path, "hydra.sweep.dir").check_free()
         if _rank() != 0:  # the other ranks' processes follow rank 0's sweep
             return None
         lock = RunLock(SnapshotStore(os.path.join(sweep_dir, "sweep")))
@@ -72,6 +142,7 @@ def take_the_sweep_lock(config: DictConfig) -> Optional[Any]:
     return lock
 
 
+REPORT_GRACE_S = 3.0
 HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 _earlier_hydra_files: dict[str, bytes] = {}  # path: what an earlier run left there, read before Hydra writes
 
@@ -114,22 +185,28 @@ def _rank() -> int:
 
 
 def _refuse(exc: ConfigError) -> None:
-    """Exit as main() does for a ConfigError: recorded for the launchers, one line from rank 0, code 2."""
+    """Exit as main() does for a ConfigError: recorded for the launchers, one line from rank 0,
+    code 2. The other ranks (no process group yet to agree through) give rank 0 a moment to
+    print it: a launcher that sees one of them exit first stops rank 0 at once, its line unprinted."""
     message = storage.redact(str(exc))
     record(exc, message)
     if _rank() == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(REPORT_GRACE_S)
     sys.exit(ConfigError.exit_code)
 
 
 class RunDirCheck(Callback):
-    """Hydra callback: refuse an unwritable run or sweep directory before Hydra uses it."""
+    """Hydra callback: refuse an unwritable run or sweep directory, or one where another run
+    is live, before Hydra uses it; rank 0 holds a single run's directory from then on."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         storage.redact_logs()
         try:
             check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
             refuse_a_live_run(config)
+            hold_run_dir(str(config.hydra.run.dir))
         except ConfigError as exc:
             _refuse(exc)
         remember_hydra_files([str(config.hydra.run.dir)], config.hydra.output_subdir)
@@ -148,6 +225,14 @@ class RunDirCheck(Callback):
         # Launchers that pickle the callbacks with each job (submitit) take no lock along:
         # the sweep lock stays with the process that holds it (its heartbeat thread cannot pickle).
         return {k: v for k, v in self.__dict__.items() if k != "_sweep_lock"}
+
+    def on_job_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release_run_dir(str(config.hydra.runtime.output_dir))  # a sweep's next point may be elsewhere
+        if config.hydra.mode == RunMode.MULTIRUN:
+            # What the next points' directories hold now: a run started in one of them since
+            # the sweep began gets its files back if that point is refused.
+            sweep_dir = str(config.hydra.sweep.dir)
+            remember_hydra_files([e.path for e in os.scandir(sweep_dir) if e.is_dir()], config.hydra.output_subdir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         lock = getattr(self, "_sweep_lock", None)

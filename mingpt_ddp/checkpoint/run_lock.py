@@ -22,8 +22,11 @@ same machine and in the same PID namespace, where a pid means something; two con
 with host networking share a host name, not a PID namespace) or when its heartbeat is
 ``STALE_AFTER_S`` old. Taking over compares and swaps what was judged (S3: a PUT with
 ``If-Match`` on the ETag read; files: renaming that very inode aside), so of two runs
-taking over one stale lease exactly one wins. A holder that cannot renew its lease for
-``STALE_AFTER_S`` less two heartbeats counts it as lost (before another run may take it).
+taking over one stale lease exactly one wins. Renewing never leaves the lease without its
+holder's record, which a run starting then would take (S3: the same PUT with ``If-Match``;
+files: a new record renamed over it, while no other run can have judged the holder gone).
+A holder that cannot renew its lease for ``STALE_AFTER_S`` less two heartbeats counts it
+as lost (before another run may take it).
 
 Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
 earlier launch, which Slurm ended first. torchrun restarting its workers (a higher
@@ -262,9 +265,11 @@ if hasattr(os, "register_at_fork"):
 # shows that someone else got there first.
 class _FileLease:
     """A lease file: created whole by a hard link (which fails if the name exists; O_EXCL
-    where there are no hard links), renewed and taken over by renaming the file aside and
-    keeping it aside only if it is the very record last written or judged (else it goes
-    back), then creating the new record.
+    where there are no hard links); taken over by renaming the file aside and keeping it
+    aside only if it is the very record judged (else it goes back), then creating the new
+    record. Renewed in place (a whole new record renamed over it: the name never goes
+    missing, so a run starting meanwhile finds the holder's record and is refused), or,
+    when the holder is late, the way a takeover is (see renew).
     A version is the record's bytes (its token and heartbeat make it unique): an inode
     number would be reused by the next file created."""
 
@@ -291,6 +296,13 @@ class _FileLease:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         tmp = self._whole_file(blob)
         try:
+            return self._link_in(tmp, blob)
+        finally:
+            os.unlink(tmp)
+
+    def _link_in(self, tmp: str, blob: bytes) -> Optional[bytes]:
+        """`tmp` (already written whole) as the record, unless the name exists."""
+        try:
             os.link(tmp, self.path)
         except FileExistsError:
             return None
@@ -298,8 +310,6 @@ class _FileLease:
             if exc.errno not in _NO_LINKS:
                 raise
             return self._create_exclusive(blob)
-        finally:
-            os.unlink(tmp)
         return blob
 
     def _create_exclusive(self, blob: bytes) -> Optional[bytes]:
@@ -315,6 +325,13 @@ class _FileLease:
         return blob
 
     def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+        tmp = self._whole_file(blob)  # written before the name goes aside: its gap holds no fsync
+        try:
+            return self._swap_in(tmp, blob, version)
+        finally:
+            os.unlink(tmp)
+
+    def _swap_in(self, tmp: str, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
         aside = f"{self.path}.{uuid.uuid4().hex[:8]}.stale"
         try:
             os.rename(self.path, aside)
@@ -329,12 +346,28 @@ class _FileLease:
         finally:
             if os.path.lexists(aside):
                 os.unlink(aside)
-        return self.create(blob)
+        return self._link_in(tmp, blob)
 
-    # Renewing is the same compare-and-swap: a read, compare, then replace would overwrite a
-    # takeover made between the compare and the replace. (A run starting in the instant the
-    # name is aside takes the lease; this one then finds it lost: never two holders.)
-    renew = take_over
+    def renew(self, blob: bytes, version: Optional[bytes], in_place_until: float = 0.0) -> Optional[bytes]:
+        """Replace the record if it is still `version`. Until `in_place_until` (monotonic)
+        no other run may have judged the holder gone (its heartbeat is fresh, its process
+        alive, and it changed its record within a torchrun restart's two-heartbeat watch), so
+        a rename over the record loses nothing: no name-less moment in which a run starting
+        would take the lease. Later, a takeover may be under way, which a blind replace would
+        overwrite: then the compare-and-swap of a takeover (rename aside, compare, create),
+        whose name-less instant a starting run may win (this one then finds its lease lost:
+        never two holders)."""
+        tmp = self._whole_file(blob)  # the slow part (fsync) before the clock is read
+        try:
+            if time.monotonic() >= in_place_until:
+                return self._swap_in(tmp, blob, version)
+            if self.read()[0] != version:
+                return None
+            os.replace(tmp, self.path)
+        finally:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+        return blob
 
     def _put_back(self, aside: str) -> None:
         try:
@@ -364,10 +397,12 @@ class _S3Lease:
     def create(self, blob: bytes) -> Optional[str]:
         return storage.s3_put_if(self.fs, self.path, blob)
 
-    def renew(self, blob: bytes, version: Optional[str]) -> Optional[str]:
-        return storage.s3_put_if(self.fs, self.path, blob, if_match=version) if version else None
+    def renew(self, blob: bytes, version: Optional[str], in_place_until: float = 0.0) -> Optional[str]:
+        """A PUT with If-Match: replaced in place and only if unchanged, at any time."""
+        return self.take_over(blob, version)
 
-    take_over = renew
+    def take_over(self, blob: bytes, version: Optional[str]) -> Optional[str]:
+        return storage.s3_put_if(self.fs, self.path, blob, if_match=version) if version else None
 
     def remove(self, version: Optional[str]) -> None:
         self.fs.rm_file(self.path)
@@ -398,13 +433,14 @@ class _CheckThenWriteLease:
             return None
         return blob
 
-    def renew(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
+    def take_over(self, blob: bytes, version: Optional[bytes]) -> Optional[bytes]:
         if self.read()[0] != version:
             return None
         self.fs.pipe_file(self.path, blob)
         return blob
 
-    take_over = renew
+    def renew(self, blob: bytes, version: Optional[bytes], in_place_until: float = 0.0) -> Optional[bytes]:
+        return self.take_over(blob, version)
 
     def remove(self, version: Optional[bytes]) -> None:
         self.fs.rm(self.path)
@@ -412,12 +448,18 @@ class _CheckThenWriteLease:
 
 # ---- the lock ----------------------------------------------------------------------------------
 class RunLock:
-    """The lock of the snapshots at `store` (a SnapshotStore); only global rank 0 takes it."""
+    """The lock of the snapshots at `store` (a SnapshotStore); only global rank 0 takes it.
+    `name` (another file in the store's directory), `live` and `writes` (what the messages
+    say it guards) and `fix` (the keys that choose another place) serve the other places
+    one live run owns: a run directory (run_dir.py), a sweep directory."""
 
-    def __init__(self, store, heartbeat_s: Optional[float] = None, stale_after_s: Optional[float] = None):
+    def __init__(self, store, heartbeat_s: Optional[float] = None, stale_after_s: Optional[float] = None, *,
+                 name: Optional[str] = None, live: str = "on these snapshots", writes: str = "these snapshots",
+                 fix: str = "hydra.run.dir / trainer.snapshot_path"):
         self.fs, self.is_local = store.fs, store.is_local
-        self.path = store._join(f".{store.stem}.lock")
+        self.path = store._join(name or f".{store.stem}.lock")
         self.where = store.display(self.path)
+        self.live, self.writes, self.fix = live, writes, fix
         self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
         self.stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
         self.token = uuid.uuid4().hex
@@ -426,6 +468,7 @@ class RunLock:
         self._fd: Optional[int] = None  # the kernel-locked file, while held
         self._written = 0
         self._version: Any = None  # the lease as this run last wrote it (its bytes, its ETag)
+        self._wrote_at = 0.0  # (monotonic) just before this run last wrote its lease record
         self._started = time.time()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -473,13 +516,14 @@ class RunLock:
         ends = ("The lock is released the moment that run ends or dies" if kernel else
                 "A run that died without cleaning up stops blocking once its process is gone (same machine) or its "
                 f"heartbeat is {self.stale_after_s / 60:g} minutes old")
-        return (f"another run is live on these snapshots ({who}; lock {self.where}): wait for it to end or stop it, "
-                f"or use another hydra.run.dir / trainer.snapshot_path{step_hint}. {ends}")
+        return (f"another run is live {self.live} ({who}; lock {self.where}): wait for it to end or stop it, "
+                f"or use another {self.fix}{step_hint}. {ends}")
 
     # ---- taking it ---------------------------------------------------------------------------
-    def check_free(self) -> None:
+    def check_free(self, ours: Optional[Any] = None) -> None:
         """Raise the refusal if a live run holds the lock: a read-only look, for before
-        anything is written (acquire() is what takes the lock)."""
+        anything is written (acquire() is what takes the lock). `ours(owner)`: whether a
+        holder is this very run after all (its rank 0, for the other ranks): not refused."""
         if self._kernel_lock_possible():
             try:
                 fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -491,14 +535,17 @@ class RunLock:
                 if not owner or owner.get("kernel_lock"):
                     return  # nobody holds the kernel lock: whoever wrote this is gone
             except BlockingIOError:
-                raise ConfigError(self._refusal(self._owner_of_file(), kernel=True)) from None
+                owner = self._owner_of_file()
+                if ours is not None and ours(owner):
+                    return
+                raise ConfigError(self._refusal(owner, kernel=True)) from None
             except OSError as exc:
                 if exc.errno not in _NO_FLOCK:
                     raise
             finally:
                 os.close(fd)
         owner = _parse(self._lease.read()[0])
-        if owner and self.why_not_stale(owner) is not None:
+        if owner and self.why_not_stale(owner) is not None and not (ours is not None and ours(owner)):
             raise ConfigError(self._refusal(owner, kernel=False))
 
     def acquire(self) -> None:
@@ -601,6 +648,7 @@ class RunLock:
 
     def _take_lease(self) -> None:
         for _ in range(5):
+            self._wrote_at = time.monotonic()
             version = self._lease.create(self._record())
             if version is None:
                 raw, version = self._lease.read()
@@ -622,13 +670,14 @@ class RunLock:
                 else:
                     log.warning("run lock %s was left by a run that is gone (%s: %s); taking it over", self.where,
                                 describe_owner(owner), self._why_gone(owner))
+                self._wrote_at = time.monotonic()
                 version = self._lease.take_over(self._record(), version)
                 if version is None:  # another run changed it first: look again
                     continue
             break
         else:
             raise ConfigError(f"could not take the run lock {self.where} after 5 tries: another run is starting "
-                              "in the same place; start one run per run directory / trainer.snapshot_path")
+                              f"in the same place; start one run per {self.fix}")
         raw, self._version = self._lease.read()
         owner = _parse(raw)
         if owner.get("token") != self.token:  # a store without compare-and-swap let another run in
@@ -640,7 +689,6 @@ class RunLock:
 
     # ---- keeping it --------------------------------------------------------------------------
     def _beat(self) -> None:
-        renewed = time.monotonic()
         # Counted lost two heartbeats before another run may judge it stale: this run stops
         # saving before anyone else can start.
         lost_after = max(self.heartbeat_s, self.stale_after_s - 2 * self.heartbeat_s)
@@ -648,27 +696,27 @@ class RunLock:
             try:
                 why = self._renew()
             except Exception as exc:  # a missed heartbeat is not fatal; many in a row let the lease expire
-                if self._fd is not None or time.monotonic() - renewed < lost_after:
+                late = time.monotonic() - self._wrote_at
+                if self._fd is not None or late < lost_after:
                     log.warning("run lock %s: heartbeat failed (%s)", self.where, storage.describe(exc))
                     continue
-                why = (f"its lease could not be renewed for {time.monotonic() - renewed:.0f}s "
+                why = (f"its lease could not be renewed for {late:.0f}s "
                        f"({storage.describe(exc)}), so another run may take it")
             if why:
                 self._mark_lost(why)
                 return
-            renewed = time.monotonic()
 
     def _mark_lost(self, why: str) -> None:
         self.lost = (f"lost the run lock {self.where}: {why}. This run stops without saving again, so that "
-                     "one run alone writes these snapshots")
+                     f"one run alone writes {self.writes}")
 
     def confirm(self) -> Optional[str]:
         """Check now, not at the next heartbeat, that the lock is still this run's; why it
         is not, or None. A saver calls it just before each write: steps can be far shorter
         than a heartbeat, and a run must not save even once beside the run that took over.
-        Only a record naming another run counts here: a lease file is briefly absent while
-        its owner renews it, so absence, like a store that cannot be read, is left to the
-        heartbeat to judge."""
+        Only a record naming another run counts here: a lease file can be briefly absent
+        (a late renewal, another run's takeover attempt that puts it back), so absence, like
+        a store that cannot be read, is left to the heartbeat to judge."""
         if self.lost or not self.held:
             return self.lost
         try:
@@ -705,16 +753,26 @@ class RunLock:
                 return why
             self._write_in_place(self._record())
             return None
-        version = self._lease.renew(self._record(), self._version)
-        if version is not None:
-            self._version = version
-            return None
-        raw, version = self._lease.read()
-        owner = _parse(raw)
-        if owner.get("token") == self.token:  # our own write went through; its reply was lost
-            self._version = version
-            return None
-        return f"another run took it over ({describe_owner(owner)})" if owner else "the lock was removed"
+        started, blob = time.monotonic(), self._record()
+        # In place while no other run can have judged this one gone: a torchrun restart
+        # elsewhere watches for two heartbeats (and 1 s) without a change before it takes over.
+        version = self._lease.renew(blob, self._version, in_place_until=self._wrote_at + 2 * self.heartbeat_s)
+        if version is None:
+            raw, version = self._lease.read()
+            for _ in range(10):  # absent: another run's takeover attempt may be putting it back
+                if raw is not None:
+                    break
+                time.sleep(0.1)
+                raw, version = self._lease.read()
+            owner = _parse(raw)
+            if owner.get("token") != self.token:
+                return f"another run took it over ({describe_owner(owner)})" if owner else "the lock was removed"
+            if raw != blob:  # ours as written before (put back): renewed at the next heartbeat
+                self._version = version
+                return None
+            # else our own write went through; its reply was lost
+        self._version, self._wrote_at = version, started
+        return None
 
     def raise_if_lost(self) -> None:
         """For after the run: a lock lost since the last stop agreement is still an error."""
@@ -746,3 +804,26 @@ class RunLock:
                 _HELD_FDS.discard(self._fd)
                 os.close(self._fd)
                 self._fd = None
+
+
+class Locks:
+    """The locks one run holds together (its snapshots', its run directory's), as the trainer
+    and the savers see one: lost when any is (the first loss says why)."""
+
+    def __init__(self, *locks: Optional[RunLock]):
+        self.locks = [lock for lock in locks if lock is not None]
+
+    @property
+    def lost(self) -> Optional[str]:
+        return next((lock.lost for lock in self.locks if lock.lost), None)
+
+    def confirm(self) -> Optional[str]:
+        for lock in self.locks:
+            why = lock.confirm()
+            if why:
+                return why
+        return None
+
+    def raise_if_lost(self) -> None:
+        for lock in self.locks:
+            lock.raise_if_lost()

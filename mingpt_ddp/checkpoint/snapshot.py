@@ -152,6 +152,10 @@ def _copy_to_cpu(obj: Any, pinned: dict[tuple, torch.Tensor], where: tuple, pend
     return obj
 
 
+class WriteRefused(Exception):
+    """A snapshot written but not published: the run lost its lock while writing it."""
+
+
 class SnapshotStore:
     """The snapshots of one run at `path` (a local path or any fsspec URL).
 
@@ -304,24 +308,43 @@ class SnapshotStore:
                 + ("" if hint else ": set trainer.snapshot_path to a writable location")
             ) from None
 
-    def _write_whole(self, path: str, blob: Union[bytes, Callable[[BinaryIO], None]]) -> None:
+    def _write_whole(self, path: str, blob: Union[bytes, Callable[[BinaryIO], None]],
+                     confirm: Optional[Callable[[], Optional[str]]] = None) -> None:
         """Write `blob` (bytes, or a function that writes them to a seekable file) so that
-        `path` appears whole or not at all. Local files are streamed; other stores get bytes."""
+        `path` appears whole or not at all. Local files are streamed; other stores get bytes.
+        `confirm()`, once the bytes are stored and before they are published, returns why
+        they must not be (then WriteRefused, and nothing appears)."""
         if callable(blob) and not self.is_local:
             buf = io.BytesIO()
             blob(buf)
             blob = buf.getvalue()
+
+        def refuse_if_told(written: Optional[str] = None) -> None:
+            why = confirm() if confirm is not None else None
+            if why and written is not None:
+                try:
+                    self.fs.rm(written)
+                except Exception as exc:
+                    log.warning("could not remove %s (%s)", self.display(written), storage.describe(exc))
+            if why:
+                raise WriteRefused(why)
+
         if self.is_object_store:
             # One PUT (or one multipart upload, completed at the end): the object appears
             # whole or not at all. Never a rename: on S3 that is a copy and a delete.
             self.fs.pipe_file(path, blob)
+            # Already visible: removed, so that no run resumes from it (should the new holder
+            # have saved this very step meanwhile, its "latest" copy still holds it).
+            refuse_if_told(written=path)
             return
         if not self.is_local:  # HDFS, SFTP, ...: write a temp name, then rename
             tmp = self._join(f".{path.rsplit('/', 1)[-1]}.tmp-{uuid.uuid4().hex[:8]}")
             self.fs.pipe_file(tmp, blob)
+            refuse_if_told(written=tmp)
             self.fs.mv(tmp, path)
             return
-        storage.write_local_atomically(path, blob if callable(blob) else (lambda f: f.write(blob)))
+        storage.write_local_atomically(path, blob if callable(blob) else (lambda f: f.write(blob)),
+                                       before_replace=refuse_if_told)
 
     def _point_latest_at(self, step_file: str) -> None:
         if self.is_object_store:
@@ -342,14 +365,18 @@ class SnapshotStore:
                 os.unlink(tmp)
         storage.fsync_dir(os.path.dirname(self.path) or ".")
 
-    def save(self, blob: Union[bytes, dict[str, Any]], step: int) -> str:
+    def save(self, blob: Union[bytes, dict[str, Any]], step: int,
+             confirm: Optional[Callable[[], Optional[str]]] = None) -> str:
         """Save an encoded snapshot, or a state dict (streamed into a local file, encoded
-        for other stores), as this step's file and the latest."""
+        for other stores), as this step's file and the latest. `confirm` (the run lock's):
+        asked again once the step's file is written, which can take minutes, and before it is
+        published, "latest" pointed at it and older ones removed; a reason to stop drops the
+        write (WriteRefused)."""
         step_file = self.step_path(step)
         if isinstance(blob, dict):
             state = blob
             blob = lambda f: write_encoded(f, state, step)  # noqa: E731
-        self._write_whole(step_file, blob)
+        self._write_whole(step_file, blob, confirm)
         self._point_latest_at(step_file)
         try:
             self._apply_retention(step)
@@ -414,7 +441,8 @@ class BackgroundSaver:
 
     `run_lock` (the RunLock rank 0 holds): once it is lost, no write starts (each attempt
     confirms the lock with the store first), so the run that lost its lock never writes beside the new holder, even
-    before the next stop agreement acts on the loss; `error` then says why.
+    before the next stop agreement acts on the loss; `error` then says why. A write already
+    under way confirms it again before publishing, and is dropped if it was lost meanwhile.
     """
 
     def __init__(self, store: SnapshotStore, retry_minutes: float = 15.0,
@@ -482,7 +510,12 @@ class BackgroundSaver:
                 return
             started = self._clock()
             try:
-                self.last_saved = self.store.save(snapshot, step)
+                confirm = self.run_lock.confirm if self.run_lock is not None else None
+                self.last_saved = self.store.save(snapshot, step, confirm)
+            except WriteRefused as exc:
+                log.error("snapshot %s written but dropped, not published: %s", where, exc)
+                self._refused = str(exc)
+                return
             except Exception as exc:
                 if isinstance(snapshot, dict) and not isinstance(exc, OSError):
                     self._bug = exc  # encoding failed while streaming: a bug, not storage

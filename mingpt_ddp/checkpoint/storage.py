@@ -296,10 +296,12 @@ def retry_transient(fn: Callable[[], T], what: str, minutes: float, clock: Calla
 
 
 # ---- local files ---------------------------------------------------------------------------
-def write_local_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+def write_local_atomically(path: str, write: Callable[[BinaryIO], None],
+                           before_replace: Optional[Callable[[], None]] = None) -> None:
     """`path` appears whole or not at all: `write` fills a temp file in the same directory (a
     rename never crosses filesystems), then fsync, os.replace, and fsync of the directory so
-    that a power loss cannot undo the rename. The file gets the usual permissions (umask)."""
+    that a power loss cannot undo the rename. The file gets the usual permissions (umask).
+    `before_replace` may still stop it (by raising) once the file is written: nothing appears."""
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -307,6 +309,8 @@ def write_local_atomically(path: str, write: Callable[[BinaryIO], None]) -> None
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
