@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp.errors import ConfigError
 
@@ -498,6 +499,18 @@ def flat_resolved(cfg: Any) -> dict[str, Any]:
 
     walk("", container)
     return flat
+
+
+def check_resolves(node: Any) -> None:
+    """ConfigError naming the first key of `node` whose interpolation cannot resolve (an
+    ${oc.env:VAR} with VAR unset), in one line: read before validate() (the process
+    group's timeouts), it would otherwise be a traceback."""
+    try:
+        OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "the configuration"
+        reason = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+        raise ConfigError(f"cannot resolve {key}: {reason}") from None
 
 
 def collective_timeout_minutes(t: Any) -> float:

@@ -596,6 +596,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
         if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
             log.warning(warning)
+        config.check_resolves(cfg.trainer)  # its timeouts are read before validate()
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -647,14 +648,14 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
-    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
-                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
     global _ran_by_cli
     _ran_by_cli = True
+    # Whatever this process prints, a bug's traceback and Hydra's "Error executing job with
+    # overrides: [...]" (every override as typed) included, is redacted.
+    storage.redact_output()
     try:
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
             main()
@@ -670,7 +671,11 @@ def run() -> None:
         distributed.shutdown(clean=False)
         sys.exit(end.code)
     except SystemExit:
+        storage.redact_error_file()  # a bug's: torch's @record wrote its message and traceback as they were
         distributed.shutdown(clean=False)  # a rank may have stopped alone: no waiting for the others
+        raise
+    except BaseException:  # a bug re-raised by Hydra (HYDRA_FULL_ERROR=1)
+        storage.redact_error_file()
         raise
     # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)

@@ -1,4 +1,5 @@
 """Bad input: one clear message naming the fix, non-zero exit, within seconds, no traceback."""
+import os
 import subprocess
 import time
 
@@ -96,6 +97,43 @@ def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, sa
     assert SIGNATURE not in text and len(text.splitlines()) == 1 and text.startswith("error: "), text
     assert "X-Amz-Signature=<redacted>" in text or "X-Amz" not in text
     assert not run_dir.exists()
+
+
+# A bug in a library the run calls whose message quotes the URL it was handed (as aiohttp's
+# and botocore's do): loggers.check is the first thing train() calls.
+BUG_QUOTING_THE_URL = """
+from mingpt_ddp import loggers
+def check(cfg):
+    raise RuntimeError(f"reading {cfg.data.download_url} failed")
+loggers.check = check
+"""
+
+
+@pytest.mark.cli
+def test_a_bugs_traceback_and_error_file_never_show_a_presigned_urls_signature(run_dir, small_corpus, tmp_path):
+    """A bug keeps its traceback, but neither it, Hydra's "Error executing job with
+    overrides: [...]" nor torch's @record error file (torchrun's failure summary) shows the
+    signature typed on the command line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BUG_QUOTING_THE_URL)
+    error_file = tmp_path / "error.json"
+    proc = run_cli(base(run_dir, small_corpus) + [f"data.download_url={PRESIGNED}"], timeout=120,
+                   env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" in text and "RuntimeError: reading https://host.example.com" in text, text
+    assert "Error executing job with overrides" in text and SIGNATURE not in text, text
+    assert "RuntimeError" in error_file.read_text() and SIGNATURE not in error_file.read_text()
+
+
+@pytest.mark.cli
+def test_an_unset_environment_variable_in_a_trainer_key_is_one_error_line(run_dir, small_corpus):
+    """trainer.* is read before the config is checked (the process group's timeouts)."""
+    text = expect_error(base(run_dir, small_corpus) + ["trainer.collective_timeout_minutes=${oc.env:MINGPT_UNSET_T}",
+                                                       f"data.download_url={PRESIGNED}"],
+                        "cannot resolve trainer.collective_timeout_minutes")
+    assert [line for line in text.splitlines() if "WARNING" not in line] == [text.splitlines()[-1]], text
+    assert text.splitlines()[-1].startswith("error: ") and SIGNATURE not in text, text
 
 
 @pytest.mark.dist

@@ -26,6 +26,7 @@ import re
 import socket
 import ssl
 import sys
+import threading
 import time
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Optional, TypeVar
@@ -689,3 +690,88 @@ def redact_logs() -> None:
 
         make_record.redacts = True  # type: ignore[attr-defined]
         logging.setLogRecordFactory(make_record)
+
+
+class RedactingStream:
+    """sys.stdout/sys.stderr through redact(): what any code prints (a bug's traceback,
+    Hydra's "Error executing job with overrides: [...]", a library's message) shows no
+    secret. Text is held until a line ends (``\\n``, or ``\\r`` for progress bars) or a
+    flush, so a secret written in pieces is still whole when redacted; everything else
+    (isatty, fileno, encoding, buffer) is the wrapped stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            end = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+            if end >= 0:
+                ready, self._pending = self._pending[:end + 1], self._pending[end + 1:]
+                self._stream.write(_redact_output(ready))
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                ready, self._pending = self._pending, ""
+                self._stream.write(_redact_output(ready))
+        self._stream.flush()
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _redact_output(text: str) -> str:
+    """Printed text redacted; never raises (a print must not fail on redaction)."""
+    try:
+        return redact(text)
+    except Exception:
+        return text
+
+
+def redact_output() -> None:
+    """Route this process's sys.stdout and sys.stderr through RedactingStream (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, RedactingStream):
+            setattr(sys, name, RedactingStream(stream))
+
+
+def redact_error_file() -> None:
+    """Redact this worker's torchelastic error file (TORCHELASTIC_ERROR_FILE) in place: for
+    a bug, torch's @record writes the exception's message and traceback there as they were,
+    and torchrun's failure summary prints it."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            text = f.read()
+        data = json.loads(text)
+    except (OSError, ValueError):
+        return
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return _redact_output(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    cleaned = clean(data)
+    if cleaned != data:
+        try:
+            write_local_atomically(path, lambda f: f.write(json.dumps(cleaned).encode()))
+        except OSError:
+            pass
