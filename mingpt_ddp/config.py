@@ -282,12 +282,13 @@ def override_error(exc: BaseException, overrides: list[str]) -> ConfigError:
 
 
 def _without_secrets(text: str, overrides: list[str]) -> str:
-    """`text` with the values of secret-named keys and URL credentials masked."""
+    """`text` with the values of secret-named keys, of every storage option (a dict or list
+    value may hold a secret under any name) and URL credentials masked."""
     from mingpt_ddp.checkpoint import storage
 
     for override in overrides:
         key, _, value = override.partition("=")
-        if value and storage.is_secret_name(key.rsplit(".", 1)[-1]):
+        if value and (storage.is_secret_name(key.rsplit(".", 1)[-1]) or "storage_options" in key):
             for shown in {value, value.strip().strip("'\"")} - {""}:
                 text = text.replace(shown, storage.REDACTED)
     return storage.redact(text)

@@ -538,7 +538,7 @@ def _check_ranks_resolved_the_same(cfg: DictConfig) -> None:
         raise ConfigError(f"rank {failed[0][0]} {failed[0][1]}")
     every_key = set().union(*(m for m, _, _ in ranks))
     keys = sorted(k for k in every_key if len({repr(m.get(k, "<missing>")) for m, _, _ in ranks}) > 1)
-    secret = storage.is_secret_name(keys[0].rsplit(".", 1)[-1])
+    secret = storage.is_secret_option(keys[0])
     values = ", ".join(f"rank {rank}: {storage.REDACTED if secret else theirs.get(keys[0], '<missing>')}"
                        for rank, (_, theirs, _) in enumerate(ranks[:4]))
     raise ConfigError(

@@ -89,6 +89,9 @@ PRESIGNED = f'"https://host.example.com/corpus.txt?X-Amz-Expires=3600&X-Amz-Sign
     ([f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),  # Hydra's "did you mean +data.pth=..."
     ([f"+data.path={PRESIGNED}"], "An item is already at 'data.path'"),
     (["-m", "trainer.seed=1,2", f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),
+    # a dict or list value under storage_options: masked whole, whatever names it holds
+    ([f"trainer.storage_options.client_kwargs={{aws_secret_access_key:{SIGNATURE}}}"], "storage_options"),
+    ([f"trainer.storage_options=[{SIGNATURE}]"], "storage_options"),
 ])
 def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, says):
     """Hydra prints the override it could not apply back as typed, before any of our code

@@ -44,12 +44,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REDACTED = "<redacted>"
-# Option names that carry credentials in s3fs, gcsfs, adlfs, ocifs, sshfs, ...
+# Option names that carry credentials in s3fs, gcsfs, adlfs, ocifs, sshfs, ..., and HTTP
+# header names that do (Authorization, Cookie, X-Api-Key, ...).
 _SECRET_NAME = re.compile(
     r"^(key|secret|token|password|passwd|credentials?|sas|signature)$"
-    r"|secret|token|passw|credential|private_key|account_key|access_key|api_key|connection_string|sas_",
+    r"|secret|token|passw|credential|private_key|account_key|access_key|api[-_]?key|connection_string|sas_"
+    r"|authorization|cookie|bearer",
     re.IGNORECASE,
 )
+# Every value under a storage option of this name is secret, whatever its own name: HTTP
+# headers (fsspec's HTTP filesystem sends them with every request) carry tokens under any name.
+_SECRET_PARENT = "headers"
 # Errors that retrying cannot fix: a wrong name, missing permission, missing credentials.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ConfigError,
               ValueError, TypeError, KeyError)
@@ -59,6 +64,13 @@ _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "ParamValid
 
 def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(str(name)))
+
+
+def is_secret_option(dotted_key: str) -> bool:
+    """Whether the storage option at `dotted_key` (``data.storage_options.headers.X-Id``)
+    holds a secret: its name looks like one, or it is under ``headers``."""
+    parts = str(dotted_key).split(".")
+    return is_secret_name(parts[-1]) or any(p.lower() == _SECRET_PARENT for p in parts[:-1])
 
 
 # ---- storage options and filesystems ---------------------------------------------------
@@ -509,7 +521,7 @@ def resolve_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> Secrets:
     redact_logs()
     refuse_literal_secrets(cfg, hydra_dirs)
     for key, value in _leaves(cfg, ""):
-        if ".storage_options." in f"{key}." and is_secret_name(key.rsplit(".", 1)[-1]):
+        if ".storage_options." in f"{key}." and is_secret_option(key.split(".storage_options.", 1)[-1]):
             SECRETS.add([value])
         if isinstance(value, str):
             SECRETS.add(url_credentials(value))
@@ -557,17 +569,20 @@ def _rewrite_yaml_files(directory: str, rewrite: Callable[[str], str]) -> None:
         os.replace(tmp, path)
 
 
-def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
-    """(dotted key, value) of every secret-looking entry in a nested mapping."""
+def _secret_leaves(value: Any, path: str, secret: bool = False) -> Iterable[tuple[str, Any]]:
+    """(dotted key, value) of every secret-looking entry in a nested mapping of storage
+    options (`secret`: everything below is, as under ``headers``)."""
     if isinstance(value, Mapping):
         for k, v in value.items():
-            if is_secret_name(k) and not isinstance(v, Mapping):
+            if (secret or is_secret_name(k)) and not isinstance(v, Mapping):
                 yield f"{path}.{k}", v
             else:
-                yield from _secret_leaves(v, f"{path}.{k}")
+                yield from _secret_leaves(v, f"{path}.{k}", secret or str(k).lower() == _SECRET_PARENT)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _secret_leaves(v, f"{path}[{i}]")
+            yield from _secret_leaves(v, f"{path}[{i}]", secret)
+    elif secret and path:
+        yield path, value
 
 
 def _is_interpolation(value: Any) -> bool:
@@ -627,12 +642,15 @@ def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
     )
 
 
-def _redact_options(value: Any) -> Any:
+def _redact_options(value: Any, secret: bool = False) -> Any:
     if isinstance(value, dict):
-        return {k: REDACTED if is_secret_name(k) and not isinstance(v, dict) and v not in (None, True, False)
-                else _redact_options(v) for k, v in value.items()}
+        return {k: REDACTED if (secret or is_secret_name(k)) and not isinstance(v, (dict, list))
+                and v not in (None, True, False)
+                else _redact_options(v, secret or str(k).lower() == _SECRET_PARENT) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact_options(v) for v in value]
+        return [_redact_options(v, secret) for v in value]
+    if secret and value not in (None, True, False):
+        return REDACTED
     return SECRETS.redact(value) if isinstance(value, str) else value
 
 
