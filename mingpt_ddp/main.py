@@ -593,6 +593,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
+        config.check_known_keys(cfg)  # a `+typo=` key: one line before anything starts
         warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
         if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
             log.warning(warning)

@@ -71,7 +71,8 @@ def test_non_utf8_data_file(run_dir, tmp_path):
 @pytest.mark.cli
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_epochs=abc", "could not be converted to Integer"),
-    ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
+    ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'; did you mean trainer.max_epochs?"),
+    ("+trainer.max_epoch=3", "trainer.max_epoch is not a config key (did you mean trainer.max_epochs?)"),
     ("trainer.precision=fp8", "Invalid value 'fp8'"),
     ("model=gpt-huge", "Could not find 'model/gpt-huge'"),
 ])
