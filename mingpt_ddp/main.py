@@ -662,9 +662,11 @@ def run() -> None:
             main()
     except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
         errors.record(bad.error, str(bad.error))  # before the wait below: the agent may stop this worker
-        if distributed.first_to_report(str(bad.error)):
+        # Every node's local rank 0 prints the same line (there is no process group to agree
+        # on one printer, and a node whose rank 0 is slower must not go silent).
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
             print(f"error: {bad.error}", file=sys.stderr, flush=True)
-        else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
+        else:  # its node's local rank 0 composes the same command line: its line first, before the agent stops us
             time.sleep(2)
         distributed.shutdown(clean=False)
         sys.exit(bad.error.exit_code)

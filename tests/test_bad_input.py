@@ -140,6 +140,19 @@ def test_an_unset_environment_variable_in_a_trainer_key_is_one_error_line(run_di
     assert text.splitlines()[-1].startswith("error: ") and SIGNATURE not in text, text
 
 
+@pytest.mark.cli
+@pytest.mark.parametrize("local_rank, prints", [("0", True), ("1", False)])
+def test_a_bad_override_is_printed_by_every_nodes_local_rank_0(run_dir, local_rank, prints):
+    """On another node than rank 0's (RANK=1, LOCAL_RANK=0) the line is printed too: rank 0's
+    node may be slower, or gone, and the node would show nothing. Its other ranks stay quiet."""
+    proc = run_cli([f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"], timeout=120,
+                   env={"RANK": "1", "LOCAL_RANK": local_rank, "WORLD_SIZE": "2"})
+    text = output(proc)
+    assert proc.returncode == 2 and SIGNATURE not in text, text
+    line = "error: Could not override 'data.pth'; Key 'pth' not in 'DataConfig'"
+    assert text.count(line) == (1 if prints else 0) and len(text.splitlines()) == int(prints), text
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("launcher", ["torchrun", "mingpt_ddp.torchrun"])
 def test_a_bad_override_under_torchrun_is_one_masked_line(run_dir, launcher):
