@@ -48,10 +48,16 @@ require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing on
 from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, record_stop_signals  # noqa: E402 (standard library only)
 
 
+def _launch_rank() -> str:
+    """This process's rank before distributed.setup: torchrun's RANK, else plain srun's
+    SLURM_PROCID (setup maps it to RANK later)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 def _stop_at_once_on_ctrl_c(signum, frame) -> None:
     """Ctrl-C outside training (start-up, the end of a run): one line, no traceback from
     every rank. During training the trainer turns Ctrl-C into a stop with a snapshot."""
-    if os.environ.get("RANK", "0") == "0":
+    if _launch_rank() == "0":
         os.write(2, b"interrupted: stopped at once (outside training there is nothing new to save)\n")
     os._exit(INTERRUPTED_EXIT_CODE)
 
@@ -595,7 +601,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         storage.resolve_secrets(cfg, _hydra_files_dirs())
         config.check_known_keys(cfg)  # a `+typo=` key: one line before anything starts
         warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
-        if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
+        if warning and _points_run <= 1 and _launch_rank() == "0":
             log.warning(warning)
         config.check_resolves(cfg.trainer)  # its timeouts are read before validate()
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))

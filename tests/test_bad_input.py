@@ -141,12 +141,16 @@ def test_an_unset_environment_variable_in_a_trainer_key_is_one_error_line(run_di
 
 
 @pytest.mark.cli
-@pytest.mark.parametrize("local_rank, prints", [("0", True), ("1", False)])
-def test_a_bad_override_is_printed_by_every_nodes_local_rank_0(run_dir, local_rank, prints):
+@pytest.mark.parametrize("env, prints", [
+    ({"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, True),
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False),
+    # plain `srun python main.py`: no RANK before distributed.setup maps SLURM_* to it
+    ({"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, False),
+])
+def test_a_bad_override_is_printed_by_every_nodes_local_rank_0(run_dir, env, prints):
     """On another node than rank 0's (RANK=1, LOCAL_RANK=0) the line is printed too: rank 0's
     node may be slower, or gone, and the node would show nothing. Its other ranks stay quiet."""
-    proc = run_cli([f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"], timeout=120,
-                   env={"RANK": "1", "LOCAL_RANK": local_rank, "WORLD_SIZE": "2"})
+    proc = run_cli([f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"], timeout=120, env=env)
     text = output(proc)
     assert proc.returncode == 2 and SIGNATURE not in text, text
     line = "error: Could not override 'data.pth'; Key 'pth' not in 'DataConfig'"
