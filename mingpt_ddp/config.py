@@ -8,8 +8,10 @@ before any of our code runs. Checks a type cannot express live in :func:`validat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -17,7 +19,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 from urllib.parse import urlsplit
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp.errors import ConfigError
 
@@ -271,22 +274,31 @@ def override_error(exc: BaseException, overrides: list[str]) -> ConfigError:
             break
         if line.startswith("\t") and parts:  # a preset's available options, one a line
             parts[-1] += (" " if parts[-1].endswith(":") else ", ") + line.strip()
-        elif line.strip() and not line.strip().startswith(("reference_type=", "object_type=")):
+        # Hydra's "To append to your config use +key=value" would add a key nothing reads,
+        # except in an open dict (storage_options), where new keys need the +
+        elif line.strip() and not line.strip().startswith(("reference_type=", "object_type=")) and not (
+                line.strip().startswith("To append to") and ".storage_options." not in line):
             parts.append(line.strip().rstrip("."))
     cause = exc.__cause__
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
         parts.insert(1, str(cause).strip().splitlines()[0].rstrip("."))
+    unknown = re.match(r"Could not override '([^']+)'", parts[0] if parts else "")
+    near = closest_key(unknown[1].lstrip("+~")) if unknown and "not in" in " ".join(parts) \
+        and ".storage_options." not in unknown[1] else None
+    if near:
+        parts.append(f"did you mean {near}?")
     return ConfigError(f"{_without_secrets('; '.join(parts), overrides)} (see docs/configuration.md for the keys "
                        "and their types)")
 
 
 def _without_secrets(text: str, overrides: list[str]) -> str:
-    """`text` with the values of secret-named keys and URL credentials masked."""
+    """`text` with the values of secret-named keys, of every storage option (a dict or list
+    value may hold a secret under any name) and URL credentials masked."""
     from mingpt_ddp.checkpoint import storage
 
     for override in overrides:
         key, _, value = override.partition("=")
-        if value and storage.is_secret_name(key.rsplit(".", 1)[-1]):
+        if value and (storage.is_secret_name(key.rsplit(".", 1)[-1]) or "storage_options" in key):
             for shown in {value, value.strip().strip("'\"")} - {""}:
                 text = text.replace(shown, storage.REDACTED)
     return storage.redact(text)
@@ -414,8 +426,53 @@ def _check_download_url(url: Optional[str]) -> None:
                           f"{parts.scheme}://<host>/<path>")
 
 
+def schema_keys(schema: Optional[type] = None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (the dataclasses); open dicts (storage_options) as one key."""
+    keys = []
+    for f in dataclasses.fields(schema or Config):
+        key = f"{prefix}{f.name}"
+        keys.append(key)
+        if dataclasses.is_dataclass(_field_default(f)):
+            keys += schema_keys(type(_field_default(f)), f"{key}.")
+    return keys
+
+
+def _field_default(f: "dataclasses.Field") -> Any:
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return f.default
+
+
+def closest_key(key: str) -> Optional[str]:
+    """The schema key most like `key` (a typo's fix), or None."""
+    import difflib
+
+    found = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def check_known_keys(node: Any, prefix: str = "") -> None:
+    """A key added with ``+`` outside the schema is refused: it would be accepted and never
+    read (a typo's run would train silently with the default). Open dicts (storage_options,
+    Dict[str, Any] in the schema) take any key."""
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
+        return
+    fields = {f.name for f in dataclasses.fields(schema)}
+    for name in node.keys():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            near = closest_key(key)
+            raise ConfigError(f"{key} is not a config key{f' (did you mean {near}?)' if near else ''}: remove "
+                              "it (see docs/configuration.md for the keys)")
+        check_known_keys(node._get_node(name), f"{key}.")
+
+
 def validate(cfg: Any) -> None:
     """Checks that types alone cannot express; each message names the fix."""
+    check_known_keys(cfg)
     m, d, o, t = cfg.model, cfg.data, cfg.optimizer, cfg.trainer
     for name in ("n_layer", "n_head", "n_embd"):
         _positive(m[name], f"model.{name}", f"set model.{name}=<positive integer>")
@@ -498,6 +555,18 @@ def flat_resolved(cfg: Any) -> dict[str, Any]:
 
     walk("", container)
     return flat
+
+
+def check_resolves(node: Any) -> None:
+    """ConfigError naming the first key of `node` whose interpolation cannot resolve (an
+    ${oc.env:VAR} with VAR unset), in one line: read before validate() (the process
+    group's timeouts), it would otherwise be a traceback."""
+    try:
+        OmegaConf.to_container(node, resolve=True)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "the configuration"
+        reason = str(getattr(exc, "msg", None) or exc).strip().splitlines()[0]
+        raise ConfigError(f"cannot resolve {key}: {reason}") from None
 
 
 def collective_timeout_minutes(t: Any) -> float:

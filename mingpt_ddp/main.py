@@ -48,10 +48,16 @@ require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing on
 from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, record_stop_signals  # noqa: E402 (standard library only)
 
 
+def _launch_rank() -> str:
+    """This process's rank before distributed.setup: torchrun's RANK, else plain srun's
+    SLURM_PROCID (setup maps it to RANK later)."""
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+
+
 def _stop_at_once_on_ctrl_c(signum, frame) -> None:
     """Ctrl-C outside training (start-up, the end of a run): one line, no traceback from
     every rank. During training the trainer turns Ctrl-C into a stop with a snapshot."""
-    if os.environ.get("RANK", "0") == "0":
+    if _launch_rank() == "0":
         os.write(2, b"interrupted: stopped at once (outside training there is nothing new to save)\n")
     os._exit(INTERRUPTED_EXIT_CODE)
 
@@ -540,7 +546,7 @@ def _check_ranks_resolved_the_same(cfg: DictConfig) -> None:
         raise ConfigError(f"rank {failed[0][0]} {failed[0][1]}")
     every_key = set().union(*(m for m, _, _ in ranks))
     keys = sorted(k for k in every_key if len({repr(m.get(k, "<missing>")) for m, _, _ in ranks}) > 1)
-    secret = storage.is_secret_name(keys[0].rsplit(".", 1)[-1])
+    secret = storage.is_secret_option(keys[0])
     values = ", ".join(f"rank {rank}: {storage.REDACTED if secret else theirs.get(keys[0], '<missing>')}"
                        for rank, (_, theirs, _) in enumerate(ranks[:4]))
     raise ConfigError(
@@ -596,9 +602,11 @@ def main(cfg: DictConfig) -> Optional[float]:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
         # boundary every secret crosses; logs, files, snapshots and trackers redact through it.
         storage.resolve_secrets(cfg, _hydra_files_dirs())
+        config.check_known_keys(cfg)  # a `+typo=` key: one line before anything starts
         warning = storage.command_line_warning(sys.argv[1:])  # a presigned URL typed there: `ps` shows it
-        if warning and _points_run <= 1 and os.environ.get("RANK", "0") == "0":
+        if warning and _points_run <= 1 and _launch_rank() == "0":
             log.warning(warning)
+        config.check_resolves(cfg.trainer)  # its timeouts are read before validate()
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
@@ -654,14 +662,14 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
-    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
-                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
     global _ran_by_cli
     _ran_by_cli = True
+    # Whatever this process prints, a bug's traceback and Hydra's "Error executing job with
+    # overrides: [...]" (every override as typed) included, is redacted.
+    storage.redact_output()
     try:
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
             try:
@@ -670,9 +678,11 @@ def run() -> None:
                 token_cache.stop_keeping_fresh()  # the run's files age from here, as any others
     except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
         errors.record(bad.error, str(bad.error))  # before the wait below: the agent may stop this worker
-        if distributed.first_to_report(str(bad.error)):
+        # Every node's local rank 0 prints the same line (there is no process group to agree
+        # on one printer, and a node whose rank 0 is slower must not go silent).
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
             print(f"error: {bad.error}", file=sys.stderr, flush=True)
-        else:  # rank 0 composes the same command line: its line first, before torchrun stops the workers
+        else:  # its node's local rank 0 composes the same command line: its line first, before the agent stops us
             time.sleep(2)
         distributed.shutdown(clean=False)
         sys.exit(bad.error.exit_code)
@@ -680,7 +690,11 @@ def run() -> None:
         distributed.shutdown(clean=False)
         sys.exit(end.code)
     except SystemExit:
+        storage.redact_error_file()  # a bug's: torch's @record wrote its message and traceback as they were
         distributed.shutdown(clean=False)  # a rank may have stopped alone: no waiting for the others
+        raise
+    except BaseException:  # a bug re-raised by Hydra (HYDRA_FULL_ERROR=1)
+        storage.redact_error_file()
         raise
     # A bug's exception propagates with its traceback; atexit still tears the group down.
     distributed.shutdown(clean=True)

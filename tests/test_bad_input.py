@@ -1,4 +1,5 @@
 """Bad input: one clear message naming the fix, non-zero exit, within seconds, no traceback."""
+import os
 import subprocess
 import time
 
@@ -70,7 +71,8 @@ def test_non_utf8_data_file(run_dir, tmp_path):
 @pytest.mark.cli
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_epochs=abc", "could not be converted to Integer"),
-    ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'"),
+    ("trainer.max_epoch=3", "Key 'max_epoch' not in 'TrainerConfig'; did you mean trainer.max_epochs?"),
+    ("+trainer.max_epoch=3", "trainer.max_epoch is not a config key (did you mean trainer.max_epochs?)"),
     ("trainer.precision=fp8", "Invalid value 'fp8'"),
     ("model=gpt-huge", "Could not find 'model/gpt-huge'"),
 ])
@@ -88,6 +90,9 @@ PRESIGNED = f'"https://host.example.com/corpus.txt?X-Amz-Expires=3600&X-Amz-Sign
     ([f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),  # Hydra's "did you mean +data.pth=..."
     ([f"+data.path={PRESIGNED}"], "An item is already at 'data.path'"),
     (["-m", "trainer.seed=1,2", f"data.pth={PRESIGNED}"], "Key 'pth' not in 'DataConfig'"),
+    # a dict or list value under storage_options: masked whole, whatever names it holds
+    ([f"trainer.storage_options.client_kwargs={{aws_secret_access_key:{SIGNATURE}}}"], "storage_options"),
+    ([f"trainer.storage_options=[{SIGNATURE}]"], "storage_options"),
 ])
 def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, says):
     """Hydra prints the override it could not apply back as typed, before any of our code
@@ -96,6 +101,60 @@ def test_a_bad_override_never_shows_a_presigned_urls_signature(run_dir, args, sa
     assert SIGNATURE not in text and len(text.splitlines()) == 1 and text.startswith("error: "), text
     assert "X-Amz-Signature=<redacted>" in text or "X-Amz" not in text
     assert not run_dir.exists()
+
+
+# A bug in a library the run calls whose message quotes the URL it was handed (as aiohttp's
+# and botocore's do): loggers.check is the first thing train() calls.
+BUG_QUOTING_THE_URL = """
+from mingpt_ddp import loggers
+def check(cfg):
+    raise RuntimeError(f"reading {cfg.data.download_url} failed")
+loggers.check = check
+"""
+
+
+@pytest.mark.cli
+def test_a_bugs_traceback_and_error_file_never_show_a_presigned_urls_signature(run_dir, small_corpus, tmp_path):
+    """A bug keeps its traceback, but neither it, Hydra's "Error executing job with
+    overrides: [...]" nor torch's @record error file (torchrun's failure summary) shows the
+    signature typed on the command line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BUG_QUOTING_THE_URL)
+    error_file = tmp_path / "error.json"
+    proc = run_cli(base(run_dir, small_corpus) + [f"data.download_url={PRESIGNED}"], timeout=120,
+                   env={"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "TORCHELASTIC_ERROR_FILE": str(error_file)})
+    text = output(proc)
+    assert proc.returncode == 1 and "Traceback" in text and "RuntimeError: reading https://host.example.com" in text, text
+    assert "Error executing job with overrides" in text and SIGNATURE not in text, text
+    assert "RuntimeError" in error_file.read_text() and SIGNATURE not in error_file.read_text()
+
+
+@pytest.mark.cli
+def test_an_unset_environment_variable_in_a_trainer_key_is_one_error_line(run_dir, small_corpus):
+    """trainer.* is read before the config is checked (the process group's timeouts)."""
+    text = expect_error(base(run_dir, small_corpus) + ["trainer.collective_timeout_minutes=${oc.env:MINGPT_UNSET_T}",
+                                                       f"data.download_url={PRESIGNED}"],
+                        "cannot resolve trainer.collective_timeout_minutes")
+    assert [line for line in text.splitlines() if "WARNING" not in line] == [text.splitlines()[-1]], text
+    assert text.splitlines()[-1].startswith("error: ") and SIGNATURE not in text, text
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("env, prints", [
+    ({"RANK": "1", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, True),
+    ({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False),
+    # plain `srun python main.py`: no RANK before distributed.setup maps SLURM_* to it
+    ({"SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, False),
+])
+def test_a_bad_override_is_printed_by_every_nodes_local_rank_0(run_dir, env, prints):
+    """On another node than rank 0's (RANK=1, LOCAL_RANK=0) the line is printed too: rank 0's
+    node may be slower, or gone, and the node would show nothing. Its other ranks stay quiet."""
+    proc = run_cli([f"data.pth={PRESIGNED}", f"hydra.run.dir={run_dir}"], timeout=120, env=env)
+    text = output(proc)
+    assert proc.returncode == 2 and SIGNATURE not in text, text
+    line = "error: Could not override 'data.pth'; Key 'pth' not in 'DataConfig'"
+    assert text.count(line) == (1 if prints else 0) and len(text.splitlines()) == int(prints), text
 
 
 @pytest.mark.dist

@@ -31,6 +31,25 @@ def test_defaults_are_the_documented_interface():
 
 
 @pytest.mark.unit
+def test_a_key_added_outside_the_schema_is_refused_naming_the_closest_key():
+    """Hydra's hint for a typo ("To append to your config use +trainer.max_stepz=1") would
+    add a key nothing reads: the run would train silently with the default. Open dicts
+    (storage_options) take new keys."""
+    from mingpt_ddp.errors import ConfigError
+
+    for added, near in (("+trainer.max_stepz=1", "trainer.max_steps"), ("+trainer.storage_opts={profile: ml}",
+                                                                         "trainer.storage_options"),
+                        ("+extra=1", None)):
+        with pytest.raises(ConfigError, match="is not a config key") as err:
+            config.validate(composed(added))
+        assert (f"did you mean {near}?" in str(err.value)) == bool(near), err.value
+    config.validate(composed("+trainer.storage_options.profile=ml", "+data.storage_options.client_kwargs.a=1"))
+    with pytest.raises(ConfigError) as err:
+        config.compose(["trainer.max_stepz=1"])
+    assert "To append" not in str(err.value) and "did you mean trainer.max_steps?" in str(err.value), err.value
+
+
+@pytest.mark.unit
 def test_ddp_tutorial_experiment():
     cfg = composed("experiment=ddp_tutorial")
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (8, 8, 512)

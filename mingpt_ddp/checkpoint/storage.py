@@ -26,6 +26,7 @@ import re
 import socket
 import ssl
 import sys
+import threading
 import time
 import uuid
 from typing import Any, BinaryIO, Callable, Iterable, Mapping, Optional, TypeVar
@@ -43,12 +44,17 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 REDACTED = "<redacted>"
-# Option names that carry credentials in s3fs, gcsfs, adlfs, ocifs, sshfs, ...
+# Option names that carry credentials in s3fs, gcsfs, adlfs, ocifs, sshfs, ..., and HTTP
+# header names that do (Authorization, Cookie, X-Api-Key, ...).
 _SECRET_NAME = re.compile(
     r"^(key|secret|token|password|passwd|credentials?|sas|signature)$"
-    r"|secret|token|passw|credential|private_key|account_key|access_key|api_key|connection_string|sas_",
+    r"|secret|token|passw|credential|private_key|account_key|access_key|api[-_]?key|connection_string|sas_"
+    r"|authorization|cookie|bearer",
     re.IGNORECASE,
 )
+# Every value under a storage option of this name is secret, whatever its own name: HTTP
+# headers (fsspec's HTTP filesystem sends them with every request) carry tokens under any name.
+_SECRET_PARENT = "headers"
 # Errors that retrying cannot fix: a wrong name, missing permission, missing credentials.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ConfigError,
               ValueError, TypeError, KeyError)
@@ -58,6 +64,13 @@ _PERMANENT_NAMES = {"NoCredentialsError", "PartialCredentialsError", "ParamValid
 
 def is_secret_name(name: str) -> bool:
     return bool(_SECRET_NAME.search(str(name)))
+
+
+def is_secret_option(dotted_key: str) -> bool:
+    """Whether the storage option at `dotted_key` (``data.storage_options.headers.X-Id``)
+    holds a secret: its name looks like one, or it is under ``headers``."""
+    parts = str(dotted_key).split(".")
+    return is_secret_name(parts[-1]) or any(p.lower() == _SECRET_PARENT for p in parts[:-1])
 
 
 # ---- storage options and filesystems ---------------------------------------------------
@@ -512,7 +525,7 @@ def resolve_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> Secrets:
     redact_logs()
     refuse_literal_secrets(cfg, hydra_dirs)
     for key, value in _leaves(cfg, ""):
-        if ".storage_options." in f"{key}." and is_secret_name(key.rsplit(".", 1)[-1]):
+        if ".storage_options." in f"{key}." and is_secret_option(key.split(".storage_options.", 1)[-1]):
             SECRETS.add([value])
         if isinstance(value, str):
             SECRETS.add(url_credentials(value))
@@ -560,17 +573,20 @@ def _rewrite_yaml_files(directory: str, rewrite: Callable[[str], str]) -> None:
         os.replace(tmp, path)
 
 
-def _secret_leaves(value: Any, path: str) -> Iterable[tuple[str, Any]]:
-    """(dotted key, value) of every secret-looking entry in a nested mapping."""
+def _secret_leaves(value: Any, path: str, secret: bool = False) -> Iterable[tuple[str, Any]]:
+    """(dotted key, value) of every secret-looking entry in a nested mapping of storage
+    options (`secret`: everything below is, as under ``headers``)."""
     if isinstance(value, Mapping):
         for k, v in value.items():
-            if is_secret_name(k) and not isinstance(v, Mapping):
+            if (secret or is_secret_name(k)) and not isinstance(v, Mapping):
                 yield f"{path}.{k}", v
             else:
-                yield from _secret_leaves(v, f"{path}.{k}")
+                yield from _secret_leaves(v, f"{path}.{k}", secret or str(k).lower() == _SECRET_PARENT)
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
-            yield from _secret_leaves(v, f"{path}[{i}]")
+            yield from _secret_leaves(v, f"{path}[{i}]", secret)
+    elif secret and path:
+        yield path, value
 
 
 def _is_interpolation(value: Any) -> bool:
@@ -630,12 +646,15 @@ def refuse_literal_secrets(cfg: DictConfig, hydra_dirs: Iterable[str]) -> None:
     )
 
 
-def _redact_options(value: Any) -> Any:
+def _redact_options(value: Any, secret: bool = False) -> Any:
     if isinstance(value, dict):
-        return {k: REDACTED if is_secret_name(k) and not isinstance(v, dict) and v not in (None, True, False)
-                else _redact_options(v) for k, v in value.items()}
+        return {k: REDACTED if (secret or is_secret_name(k)) and not isinstance(v, (dict, list))
+                and v not in (None, True, False)
+                else _redact_options(v, secret or str(k).lower() == _SECRET_PARENT) for k, v in value.items()}
     if isinstance(value, list):
-        return [_redact_options(v) for v in value]
+        return [_redact_options(v, secret) for v in value]
+    if secret and value not in (None, True, False):
+        return REDACTED
     return SECRETS.redact(value) if isinstance(value, str) else value
 
 
@@ -693,3 +712,88 @@ def redact_logs() -> None:
 
         make_record.redacts = True  # type: ignore[attr-defined]
         logging.setLogRecordFactory(make_record)
+
+
+class RedactingStream:
+    """sys.stdout/sys.stderr through redact(): what any code prints (a bug's traceback,
+    Hydra's "Error executing job with overrides: [...]", a library's message) shows no
+    secret. Text is held until a line ends (``\\n``, or ``\\r`` for progress bars) or a
+    flush, so a secret written in pieces is still whole when redacted; everything else
+    (isatty, fileno, encoding, buffer) is the wrapped stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            end = max(self._pending.rfind("\n"), self._pending.rfind("\r"))
+            if end >= 0:
+                ready, self._pending = self._pending[:end + 1], self._pending[end + 1:]
+                self._stream.write(_redact_output(ready))
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                ready, self._pending = self._pending, ""
+                self._stream.write(_redact_output(ready))
+        self._stream.flush()
+
+    def writelines(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _redact_output(text: str) -> str:
+    """Printed text redacted; never raises (a print must not fail on redaction)."""
+    try:
+        return redact(text)
+    except Exception:
+        return text
+
+
+def redact_output() -> None:
+    """Route this process's sys.stdout and sys.stderr through RedactingStream (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, RedactingStream):
+            setattr(sys, name, RedactingStream(stream))
+
+
+def redact_error_file() -> None:
+    """Redact this worker's torchelastic error file (TORCHELASTIC_ERROR_FILE) in place: for
+    a bug, torch's @record writes the exception's message and traceback there as they were,
+    and torchrun's failure summary prints it."""
+    import json
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        with open(path) as f:
+            text = f.read()
+        data = json.loads(text)
+    except (OSError, ValueError):
+        return
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return _redact_output(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    cleaned = clean(data)
+    if cleaned != data:
+        try:
+            write_local_atomically(path, lambda f: f.write(json.dumps(cleaned).encode()))
+        except OSError:
+            pass
