@@ -516,6 +516,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
             for note in resume.notes if resume is not None else ():
                 metrics.note(note)
+            if resume is not None and resume.new_corpus:  # losses before it are another validation split's
+                metrics.mark(trainer.state.step, "new corpus")
             horizon = lr_horizon(cfg, found.snapshot, trainer.total_steps, resume)
             if horizon:
                 metrics.note(horizon)

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, run_cli
+from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, read_metrics, run_cli
 
 
 def expect_error(args, pattern, code=2, cwd=None, nproc=0):
@@ -203,6 +203,7 @@ def test_a_resume_on_a_changed_corpus_is_refused_unless_asked(run_dir, small_cor
     said = [line for line in log.splitlines() if "continuing on a new corpus" in line]
     assert len(said) == 1 and "the epoch in progress starts again from its first window" in said[0], log
     assert "LR horizon 5 \u2192 10 steps" in log, log  # the cosine follows the new plan: said, not silent
+    assert {"step": 5, "event": "new corpus"} in read_metrics(run_dir)  # the summary's best loss starts there
     snapshot = load_snapshot(run_dir / "snapshot.pt")
     assert snapshot["train_state"]["step"] == 10
     assert snapshot["train_state"]["epoch_position"] == 5 * 8  # 5 steps of 8 windows since the restart, not 10

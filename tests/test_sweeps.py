@@ -256,3 +256,16 @@ def test_a_sweep_over_its_limits_in_another_order_reports_no_other_points_run(tm
         in records["0"]["error"], records
     assert records["1"]["status"] == "failed", records
     assert "planned 2 steps and this point plans 4" in records["1"]["error"], records
+
+
+@pytest.mark.unit
+def test_a_points_best_val_loss_starts_again_on_a_new_corpus(tmp_path):
+    """After data.continue_on_new_corpus the losses before it are another validation split's:
+    the summary's best_val_loss is the best since the last "new corpus" mark (main.py writes it)."""
+    from mingpt_ddp.tools.sweep import point_row
+
+    records = [{"step": 5, "val_loss": 1.0}, {"step": 5, "event": "new corpus"}, {"step": 10, "val_loss": 2.5},
+               {"step": 15, "val_loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = point_row(tmp_path, "")
+    assert (row["best_val_loss"], row["final_val_loss"]) == (2.0, 2.0)
