@@ -333,7 +333,7 @@ def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identi
         notes.append(f"continuing on a new corpus (data.continue_on_new_corpus=true): {corpus.changed}; the epoch in "
                      "progress starts again from its first window, and the best validation loss afresh")
         restart = True
-    changed = settings_changed(found.snapshot.get("config"), cfg)
+    changed = settings_changed(found.snapshot.get("config"), cfg, planned_total=found.snapshot.get("total_steps"))
     if changed:
         if not cfg.trainer.continue_with_new_settings:
             raise ConfigError(
@@ -377,12 +377,18 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
     state = TrainState(**found.snapshot["train_state"])
     if not is_finished(state, cfg.trainer):
         return None
+    past = past_limits(state, found.snapshot.get("config"), cfg.trainer)
+    if past:  # it trained further than this config would: its loss is not this config's (a reordered sweep)
+        raise ConfigError(
+            f"the run at {found.where} finished past this config's end ({past}): its result is not this config's. "
+            "Start a new run (another hydra.run.dir / hydra.sweep.dir), or give the limits it was trained with")
     if corpus_changed:  # its loss is another text's, whatever data.continue_on_new_corpus says
         raise ConfigError(
             f"the run at {found.where} finished on another corpus than this config's ({corpus_changed}): its result "
             "is not this corpus's. Start a new run (another hydra.run.dir / hydra.sweep.dir), or give the text and "
             "data settings it was trained on")
-    changed = settings_changed(found.snapshot.get("config"), cfg)
+    changed = settings_changed(found.snapshot.get("config"), cfg, finished=True,
+                               planned_total=found.snapshot.get("total_steps"))
     if changed:  # its loss would be credited to settings it never trained with (a reordered sweep)
         raise ConfigError(
             f"the run at {found.where} finished under other training settings than this config's "
@@ -397,24 +403,86 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
     return state
 
 
+def past_limits(state: TrainState, saved: Any, now: Any) -> Optional[str]:
+    """Where a finished run went past where this config (trainer.* `now`) stops, naming the
+    limit then (the snapshot's config `saved`) and now; None when it stopped where this
+    config stops. A run that trained further is another run (its schedule, its weights)."""
+    then = (saved or {}).get("trainer") or {} if isinstance(saved, dict) else {}
+    if now.max_steps is not None and state.step > now.max_steps:
+        return (f"it stopped at step {state.step}: trainer.max_steps={then.get('max_steps')} then, "
+                f"{now.max_steps} now")
+    if state.epoch > now.max_epochs or (state.epoch == now.max_epochs and state.epoch_position > 0):
+        return (f"it stopped in epoch {state.epoch + (state.epoch_position > 0)} (step {state.step}): "
+                f"trainer.max_epochs={then.get('max_epochs')} then, {now.max_epochs} now")
+    return None
+
+
 # What a run's result depends on, beyond what check_compatible compares (shape, vocabulary,
 # optimizer) and the corpus (corpus/identity.py): a run under other values of these did not
 # train what it reports, so a finished run is not reported for them and a resume under them
 # is refused (check_same_run) unless trainer.continue_with_new_settings says to go on.
+# trainer.precision is the requested value (auto's choice may differ from machine to machine).
 RESULT_KEYS = ("model.", "optimizer.", "data.block_size", "trainer.batch_size", "trainer.grad_accum_steps",
-               "trainer.seed", "trainer.grad_clip")
+               "trainer.seed", "trainer.grad_clip", "trainer.precision")
+# What shapes a finished run's reported result but not a resume's (a resume evaluates with
+# this config's final_eval_batches and keeps the snapshot's tokenizer).
+FINISHED_KEYS = ("trainer.final_eval_batches", "data.tokenizer_train_chars")
 
 
-def settings_changed(saved: Any, cfg: DictConfig) -> list[str]:
-    """`key: saved -> now` for the RESULT_KEYS whose value differs from the snapshot's config
-    (none when the snapshot records no config). A key its config lacks was added since it was
-    written: its default is what that run trained with, so it is not a change."""
+def settings_changed(saved: Any, cfg: DictConfig, finished: bool = False,
+                     planned_total: Optional[int] = None) -> list[str]:
+    """`key: saved -> now` for the RESULT_KEYS (and for a `finished` run the FINISHED_KEYS)
+    whose value differs from the snapshot's config (none when the snapshot records no
+    config). A key its config lacks was added since it was written: its default is what that
+    run trained with, so it is not a change. Settings that did nothing on either side are no
+    change: optimizer.muon_* without Muon, data.tokenizer_train_chars without BPE; nor is
+    optimizer.decay_steps pinned to `planned_total`, the horizon the snapshot's null meant."""
     if not isinstance(saved, dict):
         return []
     before = config.flat_resolved(saved)
     now = config.flat_resolved(storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+    keys = RESULT_KEYS + (FINISHED_KEYS if finished else ())
+
+    def either(key: str, value: str) -> bool:
+        return value in (before.get(key), now.get(key))
+
+    def compared(key: str) -> bool:
+        if key.startswith("optimizer.muon_"):
+            return either("optimizer.name", "muon")
+        if key == "data.tokenizer_train_chars":
+            return either("data.tokenizer", "bpe")
+        return key.startswith(keys)
+
+    def same(key: str) -> bool:
+        if key == "optimizer.decay_steps" and before[key] is None and planned_total is not None:
+            return now[key] in (None, planned_total)
+        return before[key] == now[key]
+
     return [f"{key}={before[key]!r} then, {now[key]!r} now" for key in sorted(set(before) & set(now))
-            if key.startswith(RESULT_KEYS) and before[key] != now[key]]
+            if compared(key) and not same(key)]
+
+
+def lr_horizon(cfg: DictConfig, snapshot: dict[str, Any], total_steps: int,
+               resume: Optional[ResumeCheck]) -> Optional[str]:
+    """A note when a resume moves the cosine's horizon (optimizer.decay_steps=null follows
+    the planned steps: raised max_steps/max_epochs, another corpus or batch), else None. In
+    a sweep that is another point's schedule (its values reordered): refused unless
+    trainer.continue_with_new_settings=true or data.continue_on_new_corpus asked for it.
+    `snapshot["total_steps"]`: the steps it planned (absent in snapshots before it was recorded)."""
+    then = snapshot.get("total_steps")
+    if cfg.optimizer.decay_steps is not None or then is None or then == total_steps:
+        return None
+    if cfg.trainer.time_budget_minutes:  # the budget plans the horizon after the first steps (time_budget.py)
+        return None
+    if (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+            and not cfg.trainer.continue_with_new_settings and not (resume is not None and resume.new_corpus)):
+        raise ConfigError(
+            f"the snapshot's run planned {then} steps and this point plans {total_steps}: with "
+            "optimizer.decay_steps=null its LR schedule would be another run's (a sweep's values in another order?). "
+            "Give the limits it was trained with, set trainer.continue_with_new_settings=true to extend it, or start "
+            "a new sweep (another hydra.sweep.dir)")
+    return (f"LR horizon {then} \u2192 {total_steps} steps (optimizer.decay_steps=null follows the planned steps; "
+            f"optimizer.decay_steps={then} keeps the snapshot's schedule)")
 
 
 def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_files: Optional[SnapshotStore],
@@ -456,6 +524,11 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                             f"{saves_to.display(saves_to.root)})" if ddp_files is not None else ""))
             for note in resume.notes if resume is not None else ():
                 metrics.note(note)
+            if resume is not None and resume.new_corpus:  # losses before it are another validation split's
+                metrics.mark(trainer.state.step, "new corpus")
+            horizon = lr_horizon(cfg, found.snapshot, trainer.total_steps, resume)
+            if horizon:
+                metrics.note(horizon)
         metrics.total_steps = trainer.total_steps
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:

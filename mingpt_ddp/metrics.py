@@ -48,6 +48,12 @@ class MetricsLog:
             bpb = f" | val_bpb {record['val_bpb']:.4f}" if record.get("val_bpb") is not None else ""
             self.note(f"step {record['step']} epoch {record['epoch']}: val_loss {record['val_loss']:.4f}{bpb}")
 
+    def mark(self, step: int, event: str) -> None:
+        """A record in metrics.jsonl only (not the trackers) where the run changed course, for
+        tools reading it: `event` "new corpus" starts another validation split's losses."""
+        if self.enabled and self._file:
+            self._file.write(json.dumps({"step": step, "event": event}) + "\n")
+
     def _show_progress(self, r: dict[str, Any]) -> None:
         text = (
             f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "

@@ -273,6 +273,7 @@ class Trainer:
             "rng": distributed.all_gather_object(rng_state()),
             "world_size": self.dist.world_size,
             "global_batch": self.global_batch,
+            "total_steps": self.total_steps,  # the LR horizon planned (main.lr_horizon notes a resume moving it)
             "precision": self.precision.name,  # what trainer.precision=auto chose: a resume keeps it
             # The end-of-run check this state failed (None: none failed): a new start refuses it
             # unless trainer.resume_failed_check=true (main.check_not_failed).

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, run_cli
+from conftest import MAIN, PYTHON, REPO, TINY, load_snapshot, output, read_metrics, run_cli
 
 
 def expect_error(args, pattern, code=2, cwd=None, nproc=0):
@@ -261,6 +261,8 @@ def test_a_resume_on_a_changed_corpus_is_refused_unless_asked(run_dir, small_cor
     log = must_pass([*common, "trainer.max_steps=10", "data.continue_on_new_corpus=true"])
     said = [line for line in log.splitlines() if "continuing on a new corpus" in line]
     assert len(said) == 1 and "the epoch in progress starts again from its first window" in said[0], log
+    assert "LR horizon 5 \u2192 10 steps" in log, log  # the cosine follows the new plan: said, not silent
+    assert {"step": 5, "event": "new corpus"} in read_metrics(run_dir)  # the summary's best loss starts there
     snapshot = load_snapshot(run_dir / "snapshot.pt")
     assert snapshot["train_state"]["step"] == 10
     assert snapshot["train_state"]["epoch_position"] == 5 * 8  # 5 steps of 8 windows since the restart, not 10
@@ -295,6 +297,7 @@ def test_a_resume_under_other_result_defining_settings_is_refused_unless_asked(r
                      "trainer.log_every=1", "trainer.snapshot_every_steps=3"])
     said = [line for line in log.splitlines() if "continuing under other settings" in line]
     assert len(said) == 1 and "trainer.seed=1337 then, 7 now; the epoch in progress starts again" in said[0], log
+    assert log.count("LR horizon 5 \u2192 10 steps") == 1, log  # the single run's "train more": a note
     snapshot = load_snapshot(run_dir / "snapshot.pt")
     assert snapshot["train_state"]["epoch_position"] == 5 * 8 and snapshot["config"]["trainer"]["seed"] == 7
 

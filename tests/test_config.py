@@ -98,3 +98,45 @@ def test_a_download_url_that_no_server_can_answer_is_refused_before_the_run(url,
     assert "\n" not in str(err.value) and "x.txt" not in str(err.value) and "corpus" not in str(err.value)
     for good in ("https://h/x.txt?X-Amz-Signature=abc", "http://127.0.0.1:8000/x.txt", "ftp://h/x.txt"):
         config.validate(composed("data.path=/fsx/x.txt", f"data.download_url='{good}'"))
+
+
+@pytest.mark.unit
+def test_what_a_finished_run_or_a_resume_is_compared_on():
+    """settings_changed (main.py): the requested precision for both; final_eval_batches and the
+    BPE's training text only for a finished run's result (a resume evaluates with this config's
+    and keeps the snapshot's tokenizer); settings that did nothing on either side (muon_* under
+    AdamW, tokenizer_train_chars without BPE) and decay_steps pinned to the horizon the
+    snapshot's null meant are no change. past_limits: a finished run that trained past this
+    config's end is named with the limit then and now."""
+    from omegaconf import OmegaConf
+
+    from mingpt_ddp.main import past_limits, settings_changed
+    from mingpt_ddp.trainer import TrainState
+
+    def saved(*overrides):
+        return OmegaConf.to_container(composed(*overrides), resolve=True, enum_to_str=True)
+
+    then = saved("trainer.precision=fp32")
+    assert settings_changed(then, composed("trainer.precision=bf16")) == ["trainer.precision='fp32' then, 'bf16' now"]
+    assert settings_changed(then, composed("trainer.precision=fp32", "trainer.final_eval_batches=3")) == []
+    assert settings_changed(then, composed("trainer.precision=fp32", "trainer.final_eval_batches=3"), finished=True) \
+        == ["trainer.final_eval_batches=200 then, 3 now"]
+    assert settings_changed(saved(), composed("optimizer.muon_lr=0.05", "optimizer.muon_momentum=0.9")) == []
+    assert settings_changed(saved("optimizer.name=muon"), composed("optimizer.name=muon", "optimizer.muon_lr=0.05")) \
+        == ["optimizer.muon_lr=0.02 then, 0.05 now"]
+    assert settings_changed(saved(), composed("data.tokenizer_train_chars=1000"), finished=True) == []
+    assert settings_changed(saved("data.tokenizer=bpe"), composed("data.tokenizer=bpe", "data.tokenizer_train_chars=1000"),
+                            finished=True) == ["data.tokenizer_train_chars=100000000 then, 1000 now"]
+    assert settings_changed(saved(), composed("optimizer.decay_steps=40"), planned_total=40) == []
+    assert settings_changed(saved(), composed("optimizer.decay_steps=30"), planned_total=40) \
+        == ["optimizer.decay_steps=None then, 30 now"]
+
+    ten = TrainState(epoch=0, step=10, epoch_position=80)
+    limits = saved("trainer.max_steps=10")
+    assert past_limits(ten, limits, composed("trainer.max_steps=10").trainer) is None
+    assert past_limits(ten, limits, composed("trainer.max_steps=4").trainer) \
+        == "it stopped at step 10: trainer.max_steps=10 then, 4 now"
+    two_epochs = TrainState(epoch=2, step=16)
+    assert past_limits(two_epochs, saved("trainer.max_epochs=2"), composed("trainer.max_epochs=2").trainer) is None
+    assert past_limits(two_epochs, saved("trainer.max_epochs=2"), composed("trainer.max_epochs=1").trainer) \
+        == "it stopped in epoch 2 (step 16): trainer.max_epochs=2 then, 1 now"

@@ -231,3 +231,41 @@ def test_a_point_refused_once_is_recorded_as_finished_once_it_is(tmp_path, small
         record = json.loads((sweep / point / "result.json").read_text())
         assert record["status"] == "failed" and "finished on another corpus" in record["error"], record
         assert "40,000 tokens then, 40,010 now" in record["error"], record
+
+
+@pytest.mark.cli
+def test_a_sweep_over_its_limits_in_another_order_reports_no_other_points_run(tmp_path, small_corpus):
+    """trainer.max_steps=4,2 then 2,4: point 0 holds a run that went on to step 4, past
+    max_steps=2 (refused, naming the limit then and now, not "finished earlier"); point 1 a
+    2-step run that would be extended to 4 under a cosine stretched from 2 steps to 4
+    (optimizer.decay_steps=null), which no fresh 4-step run gives: refused in a sweep."""
+    sweep = tmp_path / "sweep"
+    base = [PYTHON, str(MAIN), "--multirun", *TINY, f"data.path={small_corpus}", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def sweep_once(*extra):
+        return subprocess.run([*base, *extra], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+    first = sweep_once("trainer.max_steps=4,2")
+    assert first.returncode == 0, first.stderr
+    reordered = sweep_once("trainer.max_steps=2,4")
+    assert reordered.returncode == 2, reordered.stderr
+    records = {p: json.loads((sweep / p / "result.json").read_text()) for p in ("0", "1")}
+    assert records["0"]["status"] == "failed", records
+    assert "finished past this config's end (it stopped at step 4: trainer.max_steps=4 then, 2 now)" \
+        in records["0"]["error"], records
+    assert records["1"]["status"] == "failed", records
+    assert "planned 2 steps and this point plans 4" in records["1"]["error"], records
+
+
+@pytest.mark.unit
+def test_a_points_best_val_loss_starts_again_on_a_new_corpus(tmp_path):
+    """After data.continue_on_new_corpus the losses before it are another validation split's:
+    the summary's best_val_loss is the best since the last "new corpus" mark (main.py writes it)."""
+    from mingpt_ddp.tools.sweep import point_row
+
+    records = [{"step": 5, "val_loss": 1.0}, {"step": 5, "event": "new corpus"}, {"step": 10, "val_loss": 2.5},
+               {"step": 15, "val_loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = point_row(tmp_path, "")
+    assert (row["best_val_loss"], row["final_val_loss"]) == (2.0, 2.0)

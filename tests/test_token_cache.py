@@ -621,6 +621,10 @@ def test_a_corpus_is_its_text_and_split_not_its_path(tmp_path):
     old_split = compare(None, data, {**then, "val_fraction": 0.2})
     assert old_split.changed.startswith("data.val_fraction 0.1 then, 0.2 now (the snapshot predates")
     assert compare(None, None, then).changed is None  # no config either: nothing to compare, never a crash
+    # A config written before data.text_column existed: that key had its default then.
+    before_text_column = {k: v for k, v in data.items() if k != "text_column"}
+    assert compare(None, before_text_column, then).changed is None
+    assert compare(None, before_text_column, {**then, "val_fraction": 0.2}).changed.startswith("data.val_fraction 0.1")
     url = "https://example.org/corpus.txt?X-Amz-Date=20260101T000000Z&X-Amz-Signature=ab12"
     signed_anew = {**then, "path": url.replace("20260101", "20260102")}
     assert compare(None, {**data, "path": url}, signed_anew) == compare(None, data, then)  # the same object

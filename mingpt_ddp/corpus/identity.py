@@ -57,13 +57,14 @@ def compare(saved: Optional[Mapping[str, Any]], saved_data: Optional[Mapping[str
     config) against this run's (`now`)."""
     if not saved or "text_sha256" not in saved:
         # An older snapshot: its text is unknown; its config still says where the text was
-        # and where the split fell.
-        diff = _settings_diff(saved_data or {}, now, SETTINGS) if saved_data else []
+        # and where the split fell: those of its keys it has (a key added since, such as
+        # data.text_column, had its default then; nothing to compare it with).
+        diff = _settings_diff(saved_data, now, [k for k in SETTINGS if k in saved_data]) if saved_data else []
         if diff:
             return Comparison(f"{'; '.join(diff)} (the snapshot predates recorded corpus hashes, so only these "
                               "settings can be compared)", None)
         return Comparison(None, "the snapshot predates recorded corpus identities: its text cannot be compared "
-                                + ("(data.path, data.text_column and data.val_fraction are as it recorded them)"
+                                + ("(the data settings it recorded are as they are now)"
                                    if saved_data else "(nor its data settings)")
                                 + "; snapshots saved from now on record it")
     same_text = saved["text_sha256"] == now["text_sha256"]

@@ -49,6 +49,9 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
     metrics = read_metrics(run_dir)
     train = [m["train_loss"] for m in metrics if "train_loss" in m]
     val = [m["val_loss"] for m in metrics if m.get("val_loss") is not None]
+    # the best since the last data.continue_on_new_corpus: losses before it are another split's
+    since = max((i for i, m in enumerate(metrics) if m.get("event") == "new corpus"), default=-1)
+    best = [m["val_loss"] for m in metrics[since + 1:] if m.get("val_loss") is not None]
     bpb = [m["val_bpb"] for m in metrics if m.get("val_bpb") is not None]
     speed = [m["tokens_per_s"] for m in metrics if "tokens_per_s" in m]
     return {
@@ -57,7 +60,7 @@ def point_row(run_dir: Path, overrides: str) -> dict[str, Any]:
         "status": result.get("status", "unfinished"),
         "final_train_loss": train[-1] if train else None,
         "final_val_loss": val[-1] if val else None,
-        "best_val_loss": min(val) if val else None,
+        "best_val_loss": min(best) if best else None,
         "final_val_bpb": bpb[-1] if bpb else None,
         "tokens_per_s": statistics.median(speed) if speed else None,
         "wall_s": result.get("wall_s"),
