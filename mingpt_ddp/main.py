@@ -421,12 +421,13 @@ def past_limits(state: TrainState, saved: Any, now: Any) -> Optional[str]:
 # optimizer) and the corpus (corpus/identity.py): a run under other values of these did not
 # train what it reports, so a finished run is not reported for them and a resume under them
 # is refused (check_same_run) unless trainer.continue_with_new_settings says to go on.
-# trainer.precision is the requested value (auto's choice may differ from machine to machine).
 RESULT_KEYS = ("model.", "optimizer.", "data.block_size", "trainer.batch_size", "trainer.grad_accum_steps",
-               "trainer.seed", "trainer.grad_clip", "trainer.precision")
-# What shapes a finished run's reported result but not a resume's (a resume evaluates with
-# this config's final_eval_batches and keeps the snapshot's tokenizer).
-FINISHED_KEYS = ("trainer.final_eval_batches", "data.tokenizer_train_chars")
+               "trainer.seed", "trainer.grad_clip")
+# What shapes a finished run's reported result but may change on a resume: a resume evaluates
+# with this config's final_eval_batches, keeps the snapshot's tokenizer, and may be given
+# another precision (docs/fault-tolerance.md; auto keeps the snapshot's). trainer.precision
+# is the requested value (auto's choice may differ from machine to machine).
+FINISHED_KEYS = ("trainer.final_eval_batches", "data.tokenizer_train_chars", "trainer.precision")
 
 
 def settings_changed(saved: Any, cfg: DictConfig, finished: bool = False,
