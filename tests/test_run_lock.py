@@ -828,6 +828,79 @@ def test_a_torchrun_restart_elsewhere_takes_a_lease_only_from_an_owner_that_stop
 
 
 @pytest.mark.unit
+def test_a_torchrun_restart_elsewhere_is_not_refused_before_the_two_heartbeat_watch(tmp_path, no_job):
+    """On a lease filesystem, the new rank 0 of a torchrun restart on another node: the
+    earlier restart's leases (run directory, snapshots) stopped beating 40 s ago, not yet
+    stale. The look before taking (hold_run_dir's check_free, the Hydra callback's
+    refuse_a_live_run) must leave it to acquire's watch, which takes it over."""
+    from mingpt_ddp.checkpoint import run_dir, run_lock
+
+    no_job.setattr(run_lock, "flock_reaches_everyone", lambda directory: False)  # NFS local_lock, Lustre localflock
+    no_job.setattr(run_lock, "HEARTBEAT_S", 0.5)
+    earlier = {"job": "torchrun run rid42", "heartbeat": time.time() - 40, "token": "old",
+               "instance": {"slurm_job": None, "slurm_restart": 0, "slurm_step": None, "torchrun": "rid42",
+                            "torchrun_restart": 0}}
+    url = tmp_path / "snapshot.pt"
+    write_owner(url, **earlier)
+    (tmp_path / ".run.dir.lock").write_text(json.dumps({**read_owner(url), "token": "old-dir"}))
+    no_job.setenv("TORCHELASTIC_RUN_ID", "rid42")
+    no_job.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    no_job.setenv("RANK", "0")
+    new_lock(url).check_free()  # refuse_a_live_run's look
+    began = time.monotonic()
+    run_dir.hold_run_dir(str(tmp_path))
+    try:
+        assert time.monotonic() - began < 10
+        assert json.loads((tmp_path / ".run.dir.lock").read_text())["instance"]["torchrun_restart"] == 1
+    finally:
+        run_dir.release_run_dir(str(tmp_path))
+
+
+def run_dir_check_config(directory):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"hydra": {"run": {"dir": str(directory)}, "output_subdir": None},
+                             "trainer": {"snapshot_path": None}})
+
+
+@pytest.mark.unit
+def test_a_slurm_requeue_waits_for_a_lingering_kernel_lock_then_fails_to_be_requeued(tmp_path, no_job):
+    """A requeue (restart 1) finds the kernel lock still held for restart 0 of its job (a dead
+    node's flock that NFS or Lustre has not released; here a live process): not refused as a
+    second step of the job (exit 2, never requeued), but waited for, then a RunError (exit 4,
+    requeued again) naming the lingering lock; taken if it is released during the wait."""
+    import threading
+
+    from mingpt_ddp.checkpoint import run_dir, run_lock
+    from mingpt_ddp.errors import RunError
+
+    no_job.setattr(run_lock, "LINGERING_LOCK_WAIT_S", 2.5, raising=False)  # absent before the fix
+    no_job.setenv("SLURM_JOB_ID", "77")
+    no_job.setenv("SLURM_RESTART_COUNT", "1")
+    no_job.setenv("RANK", "0")
+    earlier = {"SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
+    with holding(tmp_path, env=earlier, script=RUN_DIR_HOLDER):
+        began = time.monotonic()
+        with pytest.raises(RunError, match="still held for the earlier launch of this job .*slurm job 77.* "
+                                           "a lingering lock"):
+            run_dir.hold_run_dir(str(tmp_path))
+        assert 2.5 <= time.monotonic() - began < 15
+        with pytest.raises(SystemExit) as exited:  # through the Hydra callback: exit 4, not 2
+            run_dir.RunDirCheck().on_run_start(run_dir_check_config(tmp_path))
+        assert exited.value.code == 4
+    no_job.setattr(run_lock, "LINGERING_LOCK_WAIT_S", 60.0)
+    with holding(tmp_path, env=earlier, script=RUN_DIR_HOLDER) as ghost:
+        threading.Timer(1.0, ghost.stdin.close).start()  # the filesystem lets go of it
+        began = time.monotonic()
+        run_dir.hold_run_dir(str(tmp_path))
+        try:
+            assert time.monotonic() - began < 30
+            assert json.loads((tmp_path / ".run.dir.lock").read_text())["instance"]["slurm_restart"] == 1
+        finally:
+            run_dir.release_run_dir(str(tmp_path))
+
+
+@pytest.mark.unit
 def test_a_file_lease_renewal_never_overwrites_a_takeover_made_meanwhile(tmp_path, monkeypatch):
     """Another run takes the lease over while its holder renews late (past the time in which
     no run may judge it gone; right after the holder looked at it): the renewal fails and

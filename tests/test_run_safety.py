@@ -82,14 +82,19 @@ def test_measuring_peak_flops_leaves_the_global_rng_alone():
 
 # ---- 12. unwritable run or sweep directory ------------------------------------------------------
 @pytest.mark.cli
-@pytest.mark.parametrize("override, key", [(["hydra.run.dir=/proc/x/y"], "hydra.run.dir"),
-                                           (["-m", "hydra.sweep.dir=/proc/x/y", "trainer.seed=1,2"],
-                                            "hydra.sweep.dir")])
-def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, override, key):
+@pytest.mark.parametrize("override, key, path, fix", [
+    (["hydra.run.dir=/proc/x/y"], "hydra.run.dir", "/proc/x/y", ""),
+    (["-m", "hydra.sweep.dir=/proc/x/y", "trainer.seed=1,2"], "hydra.sweep.dir", "/proc/x/y", ""),
+    # A URL: Hydra would create ./s3:/bucket/run1 and the run would "succeed" there.
+    (["hydra.run.dir=s3://my-bucket/run1"], "hydra.run.dir", "s3://my-bucket/run1", "trainer.snapshot_path=s3://"),
+    (["-m", "hydra.sweep.dir=s3://my-bucket/sweep", "trainer.seed=1,2"], "hydra.sweep.dir", "s3://my-bucket/sweep",
+     "trainer.snapshot_path=s3://")])
+def test_unwritable_run_directory_is_one_clear_error(tmp_path, small_corpus, override, key, path, fix):
     start = time.monotonic()
     proc = run_cli([*override, *TINY, f"data.path={small_corpus}"], cwd=tmp_path, timeout=60)
-    expect_config_error(proc, "/proc/x/y", f"set {key}=")
+    expect_config_error(proc, path, f"set {key}=", fix)
     assert "FileNotFoundError" not in output(proc) and time.monotonic() - start < 30
+    assert not (tmp_path / "s3:").exists()
 
 
 

@@ -27,11 +27,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError, record
+from mingpt_ddp.errors import ConfigError, UserFacingError, record
 
 
 def check_writable_dir(path: str, key: str) -> None:
-    """Create `path` if needed and prove a file can be written there, or raise a ConfigError."""
+    """Create `path` if needed and prove a file can be written there, or raise a ConfigError.
+    A URL is refused: Hydra would create a local directory named after it (./s3:/bucket/run)."""
+    kind = "sweep" if "sweep" in key else "run"
+    if "://" in path:
+        raise ConfigError(
+            f"{key}={path} is a URL, but the {kind} directory must be a filesystem path (Hydra writes .hydra/ and "
+            f"main.log there, and would create a local directory named after the URL): set {key}=<a local or "
+            "shared directory>; to keep the snapshots on S3, set trainer.snapshot_path=s3://<bucket>/<path>/snapshot.pt"
+        )
     probe = os.path.join(path, f".write-test-{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(path, exist_ok=True)
@@ -40,7 +48,7 @@ def check_writable_dir(path: str, key: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise ConfigError(
-            f"cannot write to the {'sweep' if 'sweep' in key else 'run'} directory {path} "
+            f"cannot write to the {kind} directory {path} "
             f"({exc.strerror or type(exc).__name__}): set {key}=<a writable directory>"
         ) from None
 
@@ -82,7 +90,8 @@ def hold_run_dir(run_dir: str, key: str = "hydra.run.dir") -> None:
     if _rank() != 0:
         lock.check_free(ours=_same_launch)
         return
-    lock.check_free()  # a live run: refused at once, as the other ranks are (acquire waits 2 s to be sure)
+    lock.check_free()  # a live run: refused at once, as the other ranks are (acquire waits 2 s to be sure;
+    # an earlier launch of this job: acquire judges it, watching a lease, waiting for a lingering lock)
     lock.acquire()
     _held[root] = (os.getpid(), lock)
 
@@ -184,9 +193,9 @@ def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
-def _refuse(exc: ConfigError) -> None:
-    """Exit as main() does for a ConfigError: recorded for the launchers, one line from rank 0,
-    code 2. The other ranks (no process group yet to agree through) give rank 0 a moment to
+def _refuse(exc: UserFacingError) -> None:
+    """Exit as main() does for a ConfigError (code 2) or a RunError (4: a lock still held for
+    the launch a Slurm requeue replaces): recorded for the launchers, one line from rank 0. The other ranks (no process group yet to agree through) give rank 0 a moment to
     print it: a launcher that sees one of them exit first stops rank 0 at once, its line unprinted."""
     message = storage.redact(str(exc))
     record(exc, message)
@@ -194,7 +203,7 @@ def _refuse(exc: ConfigError) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
     else:
         time.sleep(REPORT_GRACE_S)
-    sys.exit(ConfigError.exit_code)
+    sys.exit(exc.exit_code)
 
 
 class RunDirCheck(Callback):
@@ -207,7 +216,7 @@ class RunDirCheck(Callback):
             check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
             refuse_a_live_run(config)
             hold_run_dir(str(config.hydra.run.dir))
-        except ConfigError as exc:
+        except UserFacingError as exc:
             _refuse(exc)
         remember_hydra_files([str(config.hydra.run.dir)], config.hydra.output_subdir)
 
@@ -216,7 +225,7 @@ class RunDirCheck(Callback):
         try:
             check_writable_dir(str(config.hydra.sweep.dir), "hydra.sweep.dir")
             self._sweep_lock = take_the_sweep_lock(config)
-        except ConfigError as exc:
+        except UserFacingError as exc:
             _refuse(exc)
         sweep_dir = str(config.hydra.sweep.dir)
         remember_hydra_files([e.path for e in os.scandir(sweep_dir) if e.is_dir()], config.hydra.output_subdir)

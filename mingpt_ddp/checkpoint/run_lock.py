@@ -29,11 +29,13 @@ A holder that cannot renew its lease for ``STALE_AFTER_S`` less two heartbeats c
 as lost (before another run may take it).
 
 Either way a Slurm requeue (a higher ``SLURM_RESTART_COUNT``) takes over at once from the
-earlier launch, which Slurm ended first. torchrun restarting its workers (a higher
+earlier launch, which Slurm ended first; a kernel lock still held for it (a dead node's lock
+that NFS or Lustre has not released yet) is waited for ``LINGERING_LOCK_WAIT_S``, then the
+run fails as a RunError (requeued again), never as a refusal. torchrun restarting its workers (a higher
 ``TORCHELASTIC_RESTART_COUNT``) on the same machine takes over from the dead pid; on another
 machine, once the earlier restart's lease has missed two heartbeats: a second torchrun with
 the same ``--rdzv_id`` counts restarts too, and its refused first try must not make the
-second a takeover. Two live steps of one allocation (the same ``SLURM_JOB_ID``) are two runs.
+second a takeover (check_free leaves such an owner to acquire's watch). Two live steps of one allocation (the same ``SLURM_JOB_ID``) are two runs.
 
 A run that loses its lock (the file removed or replaced under it, the lease taken over or
 expired) sees it at its next heartbeat: ``lost`` says why, and the trainer stops every rank
@@ -65,13 +67,18 @@ except ImportError:  # Windows: leases only
     fcntl = None  # type: ignore[assignment]
 
 from mingpt_ddp.checkpoint import storage
-from mingpt_ddp.errors import ConfigError, RunError
+from mingpt_ddp.errors import ConfigError, RunError, UserFacingError
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0  # ten missed heartbeats: the owner is dead or cut off
 REFUSE_AFTER_S = 2.0  # a kernel lock held this long by another process: a live run, not a check_free probe
+# A Slurm requeue that finds the kernel lock still held for the earlier launch, which Slurm
+# ended: a dead node's lock its filesystem has not released yet (NFSv4 and Lustre: within
+# their lease or eviction time, a minute or two; NFSv3/NLM: not until that client reboots).
+# Waited for this long, then a RunError (exit 4: requeued again), not a refusal.
+LINGERING_LOCK_WAIT_S = 300.0
 
 # flock failures that mean "this filesystem has no flock" (Lustre mounted noflock: ENOSYS).
 _NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
@@ -536,8 +543,8 @@ class RunLock:
                     return  # nobody holds the kernel lock: whoever wrote this is gone
             except BlockingIOError:
                 owner = self._owner_of_file()
-                if ours is not None and ours(owner):
-                    return
+                if (ours is not None and ours(owner)) or ended_by_restart(owner.get("instance"), job_instance()):
+                    return  # this run's own rank 0; a lingering lock of the requeued launch: acquire() waits
                 raise ConfigError(self._refusal(owner, kernel=True)) from None
             except OSError as exc:
                 if exc.errno not in _NO_FLOCK:
@@ -545,16 +552,21 @@ class RunLock:
             finally:
                 os.close(fd)
         owner = _parse(self._lease.read()[0])
-        if owner and self.why_not_stale(owner) is not None and not (ours is not None and ours(owner)):
-            raise ConfigError(self._refusal(owner, kernel=False))
+        if not owner or self.why_not_stale(owner) is None or (ours is not None and ours(owner)):
+            return
+        if restarted_by_torchrun(owner.get("instance"), job_instance()):
+            return  # maybe ended by torchrun on another node: acquire() watches it for two heartbeats
+        raise ConfigError(self._refusal(owner, kernel=False))
 
     def acquire(self) -> None:
-        """Take the lock, or raise a ConfigError naming the live run that holds it."""
+        """Take the lock, or raise a ConfigError naming the live run that holds it (a
+        RunError: a lock still held for the earlier launch a Slurm requeue replaces)."""
         if storage.is_s3(self.fs):
             self._require_conditional_writes()
         try:
-            storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5)
-        except ConfigError:
+            storage.retry_transient(self._acquire, f"taking the run lock {self.where}", 0.5,
+                                    transient=lambda e: not isinstance(e, UserFacingError) and storage.is_transient(e))
+        except UserFacingError:
             raise
         except Exception as exc:
             raise ConfigError(f"cannot take the run lock {self.where} ({storage.describe(exc)}): check that "
@@ -584,7 +596,8 @@ class RunLock:
     def _take_kernel_lock(self) -> bool:
         """Take the kernel lock; False if the filesystem has no flock after all (then a lease)."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        refuse_at = time.monotonic() + REFUSE_AFTER_S
+        began = time.monotonic()
+        refuse_at, lingering = began + REFUSE_AFTER_S, None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
@@ -592,9 +605,24 @@ class RunLock:
             except BlockingIOError:
                 os.close(fd)
                 if time.monotonic() < refuse_at:
-                    time.sleep(0.1)
+                    time.sleep(0.1 if lingering is None else 1.0)
                     continue
-                raise ConfigError(self._refusal(self._owner_of_file(), kernel=True)) from None
+                owner = self._owner_of_file()
+                requeue = ended_by_restart(owner.get("instance"), job_instance())
+                if not requeue:
+                    raise ConfigError(self._refusal(owner, kernel=True)) from None
+                if lingering is None:  # Slurm ended that launch: its lock outlives it somewhere
+                    lingering, refuse_at = owner, began + LINGERING_LOCK_WAIT_S
+                    log.warning("run lock %s is still held for the earlier launch of this job (%s) although %s: "
+                                "a lingering lock of a dead node; waiting up to %.0fs for the filesystem to release "
+                                "it", self.where, describe_owner(owner), requeue, LINGERING_LOCK_WAIT_S)
+                    continue
+                raise RunError(
+                    f"the run lock {self.where} is still held for the earlier launch of this job "
+                    f"({describe_owner(owner)}) {LINGERING_LOCK_WAIT_S:.0f}s after {requeue}: a lingering lock "
+                    "(a dead node's, which NFSv3 keeps until that node reboots, NFSv4 and Lustre until its lease "
+                    "or eviction ends); a requeue tries again, or reboot or evict that node to release it"
+                ) from None
             except OSError as exc:
                 os.close(fd)
                 if exc.errno in _NO_FLOCK:
