@@ -367,7 +367,7 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
     if lifted and dist.is_main:
         log.info(lifted)
     state = TrainState(**found.snapshot["train_state"])
-    if not is_finished(state, cfg.trainer):
+    if not is_finished(state, cfg.trainer) or state.final_eval_pending:  # pending: the resume completes it
         return None
     if corpus_changed:  # its loss is another text's, whatever data.continue_on_new_corpus says
         raise ConfigError(
@@ -648,9 +648,6 @@ def main(cfg: DictConfig) -> Optional[float]:
     return val_loss
 
 
-    # A finished run's record keeps its wall time; a refused or failed attempt's is replaced.
-    already_recorded = status == "finished earlier" and read_result(run_dir).get("status") in ("completed",
-                                                                                             "finished earlier")
 def run() -> None:
     """main(), then a defined shutdown: background threads joined, the process group
     destroyed on every rank while the interpreter is still whole (see distributed.shutdown)."""
