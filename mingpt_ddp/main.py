@@ -375,7 +375,7 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
     if lifted and dist.is_main:
         log.info(lifted)
     state = TrainState(**found.snapshot["train_state"])
-    if not is_finished(state, cfg.trainer):
+    if not is_finished(state, cfg.trainer) or state.final_eval_pending:  # pending: the resume completes it
         return None
     past = past_limits(state, found.snapshot.get("config"), cfg.trainer)
     if past:  # it trained further than this config would: its loss is not this config's (a reordered sweep)

@@ -13,8 +13,8 @@ Invariants a change here must keep:
   a lost run lock). Evaluations (all_reduce_sum), saves (wait_for_main: rank 0 works, the
   others wait in the store, not in a collective), the metrics line (all_reduce_sum) and the
   end-of-run fingerprint check (every rank gathers every fingerprint, so all take the same
-  answer; it runs before the last save, which records a failure) all follow from those
-  shared values. A rank-local condition (a clock, a file, a signal seen by one rank) must
+  answer; it runs right after the last step, before its first save, which records a failure)
+  all follow from those shared values. A rank-local condition (a clock, a file, a signal seen by one rank) must
   go through the agreement first.
 - Bit-identical resume. A snapshot holds everything the next step depends on: model and
   optimizer state, scaler, TrainState (epoch, step, position in the epoch, the time budget's
@@ -64,6 +64,9 @@ class TrainState:
     best_val_loss: float = float("inf")
     last_val_loss: Optional[float] = None
     planned_steps: Optional[int] = None  # steps planned from trainer.time_budget_minutes (time_budget.py)
+    # Training is over and this state saved, its final evaluation not yet done: not a finished
+    # run (main.finished_earlier); the next start runs only the final evaluation and saves again.
+    final_eval_pending: bool = False
 
 
 def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
@@ -163,7 +166,8 @@ class Trainer:
                         "to train faster here", setting, self.precision.name, peak.slowdown, self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
-        self._last_save_step: Optional[int] = None
+        self._last_saved: Optional[tuple[dict[str, Any], Any]] = None  # (TrainState, failed_check) last saved
+        self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
         self._evaluated_windows = 0
@@ -293,10 +297,12 @@ class Trainer:
         if snapshot.get("scaler"):
             self.scaler.load_state_dict(snapshot["scaler"])
         self.state = TrainState(**snapshot["train_state"])
+        saved_as = (asdict(self.state), snapshot.get("failed_check"))
         if restart_epoch:
             self.state.epoch_position = 0
         if new_validation:
             self.state.best_val_loss, self.state.last_val_loss = float("inf"), None
+        self._last_saved = saved_as  # saving the state as loaded would only write it again
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         self._resume_global_batch(snapshot)
         rng_per_rank = snapshot["rng"]
@@ -353,14 +359,14 @@ class Trainer:
         """State is copied to CPU and handed to the background writer (rank 0's; every
         rank's under FSDP). Refused on every rank once rank 0 has lost the run lock: another
         run now writes these snapshots."""
-        if self._last_save_step == self.state.step:
+        if self._last_saved == self._save_key():  # this state is saved already (a new mark or flag is not)
             return
         lost = distributed.wait_for_main(lambda: self.run_lock.lost if self.run_lock is not None else None,
                                          "checking the run lock")
         if lost:
             raise RunError(lost)
         state = self.state_dict()  # collective (RNG states): every rank takes part
-        self._last_save_step = self.state.step
+        self._last_saved = self._save_key()
         self._last_save_time = time.monotonic()
         if self.strategy.sharded_snapshots:  # every rank stages its shards (sharded_snapshot.py)
             if self.saver is not None:
@@ -371,6 +377,9 @@ class Trainer:
         step = self.state.step
         distributed.wait_for_main(lambda: self.saver.submit(state, step) if self.saver else None,
                                   f"saving the snapshot of step {step}")
+
+    def _save_key(self) -> tuple[dict[str, Any], Any]:
+        return asdict(self.state), self.failed_check
 
     # ---- the loop --------------------------------------------------------------------
     def step_batches(self) -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -383,6 +392,7 @@ class Trainer:
         self.sampler.set_start(self.state.epoch_position)
         indices = torch.tensor(list(self.sampler), dtype=torch.long)
         per_step = self.micro_batch * self.accum_steps
+        self._batches_left = len(indices) // per_step  # the loop knows the epoch's last step by it
         for s in range(len(indices) // per_step):
             group = []
             for m in range(self.accum_steps):
@@ -460,14 +470,21 @@ class Trainer:
 
     def fit(self) -> Optional[float]:
         """Train until max_epochs or max_steps, or until asked to stop; return the final
-        validation loss (None when stopped early by a signal). RunError when the ranks'
-        parameters differ at the end, after a last snapshot marked as failing that check."""
+        validation loss (None when stopped early by a signal). At the end of training: the
+        ranks' parameters are checked and the last step saved at once (marked as failing the
+        check, or flagged final_eval_pending), then evaluated and saved again. NeedsAPerson
+        when the ranks' parameters differ, after that first save (the final evaluation is skipped)."""
         self.metrics.note(
             f"training {self.model.num_params(non_embedding=False):,} parameters on {self.dist.world_size} "
             f"process(es) ({self.device.type}, {self.dist.backend}, {self.precision.name}): global batch "
             f"{self.global_batch} x {self.block_size} tokens = {self.micro_batch} per process x "
             f"{self.accum_steps} accumulation x {self.dist.world_size}; {self.total_steps} steps planned"
         )
+        if not self.finished:  # this config trains further than the end whose evaluation was pending
+            self.state.final_eval_pending = False
+        elif self.state.final_eval_pending:
+            self.metrics.note(f"training ended at step {self.state.step} before this start: running its final "
+                              "evaluation, which was pending")
         self.model.train()
         self._last_save_time = time.monotonic()
         if self.strategy.compiled:
@@ -482,29 +499,26 @@ class Trainer:
                 raise
             if self.stopped_by:
                 self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
-                if self.finished:  # stopped at its last step: a finished run's snapshot is checked first
-                    self.failed_check = self._check_ranks_agree()
-                stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
-                self.save()
+            if self.finished:  # also when stopped at the last step
+                self._save_end_of_training(stop_request)
+            if self.stopped_by:
+                if not self.finished:
+                    stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
+                    self.save()
                 self._wait_for_saves()
-                self._raise_if_check_failed()
                 self.metrics.note(
                     f"stopped by {self.stopped_by} at step {self.state.step} (epoch {self.state.epoch}) after a "
-                    f"snapshot: {self.resume_hint}"
+                    f"snapshot{' (training is over, its final evaluation pending)' if self.finished else ''}: "
+                    f"{self.resume_hint}"
                 )
                 return None
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
                 self.evaluate(final=True)
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
                               f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
-            # Checked before the last save (the loop leaves the last step's to this one), so that a
-            # run failing it never leaves a snapshot that looks finished: the state is kept (to
-            # diagnose, or to resume on purpose), marked.
-            self.failed_check = self._check_ranks_agree()
-            stop_request.saving_last_snapshot(self._newest_saved, stopping=False)
-            self.save()
+            self.state.final_eval_pending = False
+            self.save()  # the same step again, now with its final val_loss: a finished run
             self._wait_for_saves()
-        self._raise_if_check_failed()
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"
@@ -512,8 +526,36 @@ class Trainer:
         )
         return self.state.last_val_loss
 
+    def _save_end_of_training(self, stop_request: StopRequest) -> None:
+        """Training is over: check the ranks' parameters (cheap, and independent of the final
+        evaluation), then save the last step at once, flagged final_eval_pending, so that a
+        kill during a long final evaluation loses nothing. A failed check is marked in that
+        snapshot, and logged before it is saved (the save may fail too); then every rank raises."""
+        self.failed_check = self._check_ranks_agree()
+        if self.failed_check is not None and self.dist.is_main:
+            log.error("%s: saving the last snapshot marked as failing this check", self.failed_check["message"])
+        self.state.final_eval_pending = True
+        stop_request.saving_last_snapshot(self._newest_saved, stopping=self.stopped_by is not None)
+        if self.failed_check is None:
+            self.save()  # waited for after the final evaluation, which runs meanwhile
+            return
+        try:
+            self.save()
+            self._wait_for_saves()
+        except RunError as exc:
+            raise NeedsAPerson(
+                f"{self.failed_check['message']}, and the last snapshot, marked as failing this check, could not be "
+                f"saved ({exc}): the newest snapshot saved is older and unmarked: compare the nodes' environments "
+                "before resuming it, or start a new run") from None
+        self._raise_if_check_failed()
+
+    def _next_epoch(self) -> None:
+        self.state.epoch += 1
+        self.state.epoch_position = 0
+
     def _train_loop(self, stop_request: StopRequest) -> Optional[str]:
-        """The epochs and steps; returns the signal's name if the ranks agreed to stop."""
+        """The epochs and steps; returns the signal's name if the ranks agreed to stop. The
+        last step's evaluation and snapshot are fit()'s (after the end-of-run check)."""
         window_loss = torch.zeros((), device=self.device)
         window_steps = 0
         # The first window after start includes compiling the model (when compiled).
@@ -525,7 +567,7 @@ class Trainer:
         self._last_agreement = (self.state.step, time.monotonic())
         self._next_agreement = self.state.step + 1
         while not self.finished:
-            for micro_batches in self.step_batches():
+            for n, micro_batches in enumerate(self.step_batches(), 1):
                 window_loss += self._optimizer_step(micro_batches)
                 window_steps += 1
                 self.state.step += 1
@@ -533,6 +575,10 @@ class Trainer:
                 self.state.tokens_seen += self.global_batch * self.block_size
                 for callback in self.step_callbacks:
                     callback(self)
+                # The last step of the run: by max_steps or a time budget's plan, or the last
+                # epoch's last (whose epoch is counted here, not after the loop over its batches).
+                ends_epochs = n == self._batches_left and self.state.epoch + 1 >= self.cfg.max_epochs
+                last_step = ends_epochs or self.finished
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 log_step = self.state.step % self.cfg.log_every == 0
                 if log_step:
@@ -542,10 +588,14 @@ class Trainer:
                 if log_step or self.state.step >= self._next_agreement:
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
                     if stop_signal:
+                        if ends_epochs:
+                            self._next_epoch()
                         return signal.Signals(stop_signal).name
                     save_now = save_now or save_due
-                # The last step's snapshot is fit()'s, after the final evaluation and the check.
-                save_now = save_now and not self.finished
+                if last_step:  # its evaluation and snapshot are fit()'s, after the end-of-run check
+                    if ends_epochs:
+                        self._next_epoch()
+                    return None
                 if self.state.step % self.cfg.eval_every == 0 or save_now:
                     timer.pause()
                     if self.state.step % self.cfg.eval_every == 0:
@@ -553,10 +603,7 @@ class Trainer:
                     if save_now:
                         self.save()
                     timer.resume()
-                if self.finished:
-                    return None
-            self.state.epoch += 1
-            self.state.epoch_position = 0
+            self._next_epoch()
             timer.pause()
             if self._evaluated_at != self.state.step:
                 self.evaluate()

@@ -98,3 +98,41 @@ def test_export_from_an_s3_snapshot_with_safetensors(tmp_path, moto_s3):
     for name, tensor in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert json.loads((out / "config.json").read_text())["trained"]["source"] == "s3://exports/runs/a/snapshot.pt"
+
+
+FAILED_CHECK = {"check": "parameters identical on all ranks",
+                "message": "parameters differ between ranks at the end of training (rank 0: a, rank 1: b)"}
+
+
+def marked_snapshot(path):
+    """A tiny snapshot file marked as failing the end-of-run check, as trainer.py saves one."""
+    from dataclasses import asdict
+
+    from mingpt_ddp.checkpoint.snapshot import encode
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.trainer import TrainState
+
+    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    path.write_bytes(encode({"model": GPT(cfg).state_dict(), "model_config": asdict(cfg), "vocab": "\nabcd",
+                             "train_state": asdict(TrainState(step=3)), "failed_check": FAILED_CHECK}, 3))
+    return path
+
+
+@pytest.mark.unit
+def test_a_snapshot_that_failed_the_end_of_run_check_is_exported_only_on_request(tmp_path, capsys):
+    """Its weights are rank 0's of replicas that diverged: refused in one line, unless
+    --accept-failed-check, and then config.json carries the mark on to whoever loads it."""
+    from mingpt_ddp.tools import export
+
+    snapshot = marked_snapshot(tmp_path / "snapshot.pt")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as refused:
+        export.cli([str(snapshot), str(out)])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and not out.exists(), err
+    assert err.startswith("error: snapshot ") and "failed the end-of-run check (parameters differ" in err, err
+    assert "--accept-failed-check" in err and len(err.splitlines()) == 1, err
+
+    export.cli([str(snapshot), str(out), "--accept-failed-check"])
+    assert "failed the end-of-run check" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["trained"]["failed_check"] == FAILED_CHECK

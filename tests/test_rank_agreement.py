@@ -124,6 +124,7 @@ def test_parameters_that_differ_at_the_end_are_an_error_and_the_run_is_not_finis
     snapshot = load_snapshot(run_dir / "snapshot.pt")
     assert snapshot["train_state"]["step"] == 3, snapshot["train_state"]  # the work is kept
     assert "parameters differ between ranks" in snapshot["failed_check"]["message"], snapshot["failed_check"]
+    assert snapshot["train_state"]["final_eval_pending"], snapshot["train_state"]  # not evaluated: not finished
 
     again = run_diverging(script, cmd_args)  # the same command
     assert "run already finished" not in output(again), output(again)
@@ -137,7 +138,9 @@ def test_parameters_that_differ_at_the_end_are_an_error_and_the_run_is_not_finis
     assert "finished earlier" not in (sweep / "summary.md").read_text()
 
     accepted = must_pass(run_cli([*cmd_args, "trainer.resume_failed_check=true"]))
-    assert "failed the end-of-run check" in accepted and "run already finished" in accepted, accepted
+    assert "failed the end-of-run check" in accepted and "its final evaluation, which was pending" in accepted, accepted
+    assert "steps planned" in accepted and "final evaluation:" in accepted and "done: step 3" in accepted, accepted
+    assert not load_snapshot(run_dir / "snapshot.pt")["train_state"]["final_eval_pending"]
 
 
 @pytest.mark.dist

@@ -39,3 +39,16 @@ def test_temperature_zero_is_greedy(tiny_snapshot):
     assert len(outs) == 1 and len(next(iter(outs))) == 23
 
 
+
+
+@pytest.mark.unit
+def test_sampling_a_snapshot_that_failed_the_end_of_run_check_warns(tmp_path, capsys):
+    from test_export import marked_snapshot
+
+    from mingpt_ddp.tools import sample
+
+    sample.cli([str(marked_snapshot(tmp_path / "snapshot.pt")), "prompt=ab", "max_new_tokens=5"])
+    captured = capsys.readouterr()
+    assert len(captured.out) == 8, captured.out  # the text is still written
+    warning, = captured.err.splitlines()
+    assert warning.startswith("warning: snapshot ") and "failed the end-of-run check (parameters differ" in warning

@@ -157,6 +157,26 @@ def test_result_file_redacts_the_snapshot_urls_secrets(tmp_path):
     assert "bucket/run/snapshot.pt" in text  # still says where the snapshot is
 
 
+@pytest.mark.unit
+def test_a_result_file_with_wrong_typed_fields_does_not_stop_the_summary(tmp_path):
+    """A point's result.json edited by hand (or another version's): its wrong-typed fields are
+    left out, and the summary at the sweep's end is still written."""
+    from mingpt_ddp.tools import sweep
+    from mingpt_ddp.tools.runs import read_result
+
+    for point, body in {"0": {"status": "completed", "wall_s": "12s", "val_loss": [1.0], "error": None},
+                        "1": {"status": "completed", "wall_s": 3.5, "val_loss": 2.0, "snapshot": "a/snapshot.pt"}}.items():
+        (tmp_path / point / ".hydra").mkdir(parents=True)
+        (tmp_path / point / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={point}\n")
+        (tmp_path / point / "result.json").write_text(json.dumps(body))
+        (tmp_path / point / "metrics.jsonl").write_text('{"step": 1, "train_loss": 3.0}\n')
+    assert read_result(tmp_path / "0") == {"status": "completed", "error": None}
+    assert read_result(tmp_path / "1")["wall_s"] == 3.5
+    sweep.write_summary(str(tmp_path))
+    rows = summary_rows(tmp_path)
+    assert [(r["status"], r["wall_s"]) for r in rows] == [("completed", ""), ("completed", "3.5")], rows
+
+
 @pytest.mark.cli
 def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_writes(tmp_path, small_corpus):
     """Sweep B started in the directory of sweep A while A's point 0 trains: B stops within

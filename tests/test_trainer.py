@@ -144,45 +144,116 @@ class RecordingSaver:
 
     def __init__(self):
         self.saved = []
+        self.states = []
 
     def submit(self, state, step):
         self.saved.append((step, state["train_state"], state.get("failed_check", "not recorded")))
+        self.states.append(state)
 
     def wait(self):
         return None
 
 
-def test_the_last_snapshot_is_saved_after_the_final_evaluation_and_the_check(text):
-    """The last step is saved once, after the final evaluation and the end-of-run check: saved in
-    the loop (snapshot_every_steps reaching it), it held no final val_loss and had passed no check."""
+def test_the_last_step_is_saved_before_the_final_evaluation_then_after_it(text):
+    """The last step is saved right after the check, flagged final_eval_pending (a kill during
+    a long final evaluation loses nothing), then again with its final val_loss; saved in the
+    loop too (snapshot_every_steps reaching it), it would hold no final val_loss nor the check."""
     trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1)
     trainer.saver = saver = RecordingSaver()
     val_loss = trainer.fit()
-    assert [step for step, _, _ in saver.saved] == [2, 4]
-    _, state, failed_check = saver.saved[-1]
-    assert state["last_val_loss"] == val_loss and failed_check is None, (state, failed_check)
+    assert [(step, state["final_eval_pending"], check) for step, state, check in saver.saved] == [
+        (2, False, None), (4, True, None), (4, False, None)]
+    assert saver.saved[-1][1]["last_val_loss"] == val_loss
 
 
-@pytest.mark.parametrize("stopped_at_the_end", [False, True])
-def test_a_failed_end_of_run_check_is_recorded_in_the_last_snapshot(text, stopped_at_the_end):
-    """The ranks' parameters differ at the end (the check's answer stands in for two ranks'):
-    the last snapshot is saved with the failed check, then the run fails, also when a stop
-    signal came at the last step."""
+@pytest.fixture(autouse=True)
+def forget_stop_signals():
+    """A stop signal stays `received` after training (a sweep ends on it): not into the next test."""
+    yield
+    from mingpt_ddp import preemption
+
+    preemption._received = 0
+
+
+def stop_at(step):
+    """A step callback: SIGUSR1 to this process at `step` (the next agreement stops the run)."""
     import os
     import signal
 
+    return lambda t: t.state.step == step and os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.mark.parametrize("ends_by", ["max_steps", "max_epochs"])
+def test_a_start_on_a_snapshot_pending_its_final_evaluation_runs_only_that(text, ends_by):
+    """Stopped at its last step (also the last epoch's, counted after its batch loop): saved
+    pending its final evaluation, which the next start runs, training nothing, then saves."""
+    text = text[:3000]
+    limits = dict(max_steps=4) if ends_by == "max_steps" else dict(max_epochs=1)
+    kw = dict(eval_every=1000, eval_batches=1, log_every=1, **limits)
+    trainer = make_trainer(text, **kw)
+    last = trainer.total_steps
+    trainer.saver = saver = RecordingSaver()
+    trainer.step_callbacks.append(stop_at(last))
+    assert trainer.fit() is None and trainer.stopped_by == "SIGUSR1"
+    assert [(step, state["final_eval_pending"]) for step, state, _ in saver.saved] == [(last, True)]
+    snapshot = saver.states[-1]
+
+    resumed = make_trainer(text, **kw)
+    resumed.load_state_dict(snapshot)
+    resumed.saver = again = RecordingSaver()
+    steps = []
+    resumed.step_callbacks.append(lambda t: steps.append(t.state.step))
+    val_loss = resumed.fit()
+    assert val_loss is not None and not steps
+    assert [(step, state["final_eval_pending"], state["last_val_loss"]) for step, state, _ in again.saved] == [
+        (last, False, val_loss)]
+
+
+@pytest.mark.parametrize("ends_by", ["max_steps", "max_epochs"])
+@pytest.mark.parametrize("stopped_at_the_end", [False, True])
+def test_a_failed_end_of_run_check_is_recorded_in_the_last_snapshot(text, stopped_at_the_end, ends_by, caplog):
+    """The ranks' parameters differ at the end (the check's answer stands in for two ranks'):
+    the last snapshot is saved with the failed check, then the run fails, also when a stop
+    signal came at the last step, and when the run ends by max_epochs (whose last step the
+    loop saves when snapshot_every_steps reaches it)."""
     from mingpt_ddp import errors
 
-    trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1, log_every=2)
+    text = text[:3000]
+    limits = dict(max_steps=4) if ends_by == "max_steps" else dict(max_epochs=1)
+    trainer = make_trainer(text, eval_every=1000, eval_batches=1, log_every=1, **limits)
+    last = trainer.total_steps
+    assert last % 2 == 0, "the test saves at half the run"
+    trainer.cfg.snapshot_every_steps = last // 2  # and at the last step
     trainer.saver = saver = RecordingSaver()
     failed = {"check": "parameters identical on all ranks", "message": "parameters differ between ranks (...)"}
     trainer._check_ranks_agree = lambda: failed
     if stopped_at_the_end:
-        trainer.step_callbacks.append(lambda t: t.state.step == 4 and os.kill(os.getpid(), signal.SIGUSR1))
+        trainer.step_callbacks.append(stop_at(last))
     with pytest.raises(errors.UserFacingError, match=r"parameters differ between ranks \(\.\.\.\): the last snapshot .* "
                                                  r"trainer\.resume_failed_check=true") as raised:
         trainer.fit()
     # a person compares the nodes: exit 2 and recorded as a ConfigError, never requeued as a RunError
     assert errors.class_of(raised.value) is errors.ConfigError and raised.value.exit_code == 2, type(raised.value)
     assert trainer.stopped_by == ("SIGUSR1" if stopped_at_the_end else None)
-    assert [(step, check) for step, _, check in saver.saved] == [(2, None), (4, failed)]
+    assert [(step, check) for step, _, check in saver.saved] == [(last // 2, None), (last, failed)]
+    assert [r.message for r in caplog.records if r.levelname == "ERROR"] == [
+        "parameters differ between ranks (...): saving the last snapshot marked as failing this check"]
+
+
+def test_a_failed_check_whose_marked_snapshot_cannot_be_saved_is_still_reported(text, caplog):
+    """The marked save fails (the store unreachable for trainer.save_retry_minutes): the error
+    says both, and the check was logged before the save was tried."""
+    from mingpt_ddp import errors
+
+    class FailingSaver(RecordingSaver):
+        def wait(self):
+            return "saving snapshot.pt failed: store unreachable" if self.saved else None
+
+    trainer = make_trainer(text, max_steps=2, eval_every=1000, eval_batches=1)
+    trainer.saver = FailingSaver()
+    trainer._check_ranks_agree = lambda: {"check": "parameters identical on all ranks",
+                                          "message": "parameters differ between ranks (...)"}
+    with pytest.raises(errors.NeedsAPerson, match=r"parameters differ between ranks \(\.\.\.\), and the last "
+                                                  r"snapshot, marked .* could not be saved \(saving snapshot.pt failed"):
+        trainer.fit()
+    assert any(r.levelname == "ERROR" and "parameters differ" in r.message for r in caplog.records)

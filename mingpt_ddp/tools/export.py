@@ -17,7 +17,9 @@ file starts with a header line and holds the optimizer and RNG states too, so pl
 Plain PyTorch loads it with `model.py` on the path (see README "Export"). weights.pt rather
 than safetensors: it loads with torch alone, and weights_only=True refuses anything but
 tensors and plain containers. With ``--safetensors`` (needs `pip install safetensors`)
-model.safetensors is written too, for tools that read that format.
+model.safetensors is written too, for tools that read that format. A snapshot marked as
+failing the end-of-run check (the ranks' parameters differed) is refused unless
+``--accept-failed-check`` is given; config.json then records the failed check.
 """
 from __future__ import annotations
 
@@ -33,19 +35,27 @@ from mingpt_ddp import model as model_module
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.tools.sample import load_latest
+from mingpt_ddp.tools.sample import failed_check, load_latest
 
-USAGE = "usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors]"
+USAGE = ("usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors] "
+         "[--accept-failed-check]")
 FORMAT = "mingpt-ddp-export 1"
 
 
-def export(source: str, out_dir: str, safetensors: bool = False) -> dict[str, Any]:
+def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_check: bool = False) -> dict[str, Any]:
     """Write weights.pt, config.json and model.py (and model.safetensors) to `out_dir`;
-    return what config.json says."""
+    return what config.json says. `accept_failed_check`: export a snapshot marked as failing
+    the end-of-run check too (else refused)."""
     found = load_latest(source)
     if found is None:
         raise ConfigError(f"no snapshot at {source}: give a snapshot file or a run directory that has one")
     snapshot, where = found
+    failed = failed_check(snapshot)
+    if failed and not accept_failed_check:
+        raise ConfigError(
+            f"snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank 0's) may be "
+            "wrong; compare the nodes' environments, or pass --accept-failed-check to export it anyway (config.json "
+            "then records the failed check)")
     if safetensors:
         try:
             from safetensors.torch import save_model
@@ -63,7 +73,8 @@ def export(source: str, out_dir: str, safetensors: bool = False) -> dict[str, An
                       **({"eot_id": tok.eot_id} if tok.kind != "char" else {})},
         **({"vocab": list(tok.vocab.chars)} if tok.kind == "char" else {}),
         "trained": {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
-                    "val_loss": state.get("last_val_loss"), "source": storage.redact(where)},
+                    "val_loss": state.get("last_val_loss"), "source": storage.redact(where),
+                    "failed_check": snapshot.get("failed_check") or None},  # the end-of-run check it failed
     }
     torch.save(model.state_dict(), os.path.join(out_dir, "weights.pt"))
     if safetensors:
@@ -79,15 +90,19 @@ def cli(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     flags = [a for a in argv if a.startswith("--")]
     positional = [a for a in argv if not a.startswith("--")]
-    if len(positional) != 2 or set(flags) - {"--safetensors"}:
+    if len(positional) != 2 or set(flags) - {"--safetensors", "--accept-failed-check"}:
         print(USAGE, file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     try:
-        meta = export(positional[0], positional[1], safetensors="--safetensors" in flags)
+        meta = export(positional[0], positional[1], safetensors="--safetensors" in flags,
+                      accept_failed_check="--accept-failed-check" in flags)
     except ConfigError as exc:
         print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     trained = meta["trained"]
+    if trained["failed_check"]:
+        print("warning: exported although it failed the end-of-run check (--accept-failed-check); config.json "
+              "records it", file=sys.stderr)
     print(f"exported step {trained['step']} (val_loss {trained['val_loss']}) from {trained['source']} to {positional[1]}")
 
 

@@ -11,13 +11,23 @@ from typing import Any, Union
 RESULT_FILE = "result.json"  # how a sweep point ended, written by rank 0 (sweep.write_result)
 
 
+# The result file's fields and their types (sweep.write_result, from main.py); each may be null.
+RESULT_TYPES: dict[str, tuple[type, ...]] = {"status": (str,), "val_loss": (int, float), "wall_s": (int, float),
+                                             "snapshot": (str,), "error": (str,), "corpus": (dict,)}
+
+
 def read_result(run_dir: Union[str, Path]) -> dict[str, Any]:
-    """How a sweep point ended, from its result file; {} when there is none (or it is unreadable)."""
+    """How a sweep point ended, from its result file; {} when there is none (or it is
+    unreadable). A field of another type (a file edited by hand, or another version's) is left
+    out: the summary at a sweep's end must not fail on it."""
     try:
         result = json.loads((Path(run_dir) / RESULT_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    return result if isinstance(result, dict) else {}
+    if not isinstance(result, dict):
+        return {}
+    return {k: v for k, v in result.items() if k not in RESULT_TYPES or v is None
+            or (isinstance(v, RESULT_TYPES[k]) and not isinstance(v, bool))}
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

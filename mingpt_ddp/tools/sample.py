@@ -66,6 +66,15 @@ def load_latest(target: str) -> Optional[tuple[dict, str]]:
     return store.load_latest()
 
 
+def failed_check(snapshot: dict) -> Optional[str]:
+    """The end-of-run check the snapshot failed (the ranks' parameters differed; its weights
+    are rank 0's and may be wrong), in words; None if it failed none."""
+    failed = snapshot.get("failed_check")
+    if not failed:
+        return None
+    return str(failed.get("message") if isinstance(failed, dict) else failed)
+
+
 def check_options(opts: SampleConfig) -> None:
     """Refuse options that would crash deep in torch or silently sample something else."""
     if opts.max_new_tokens < 0:
@@ -83,7 +92,11 @@ def generate_text(target: str, opts: SampleConfig) -> str:
     found = load_latest(target)
     if found is None:
         raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
-    snapshot, _ = found
+    snapshot, where = found
+    failed = failed_check(snapshot)
+    if failed:
+        print(f"warning: snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank "
+              "0's) may be wrong", file=sys.stderr, flush=True)
     tok = tokenizer.from_snapshot(snapshot)  # the run's own: its characters, BPE or GPT-2's
     model = GPT(GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])
