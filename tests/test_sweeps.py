@@ -177,6 +177,21 @@ def test_a_result_file_with_wrong_typed_fields_does_not_stop_the_summary(tmp_pat
     assert [(r["status"], r["wall_s"]) for r in rows] == [("completed", ""), ("completed", "3.5")], rows
 
 
+@pytest.mark.unit
+def test_a_sweep_whose_points_all_failed_before_training_still_gets_its_summary(tmp_path):
+    """No point logged a metrics line (each refused its input): the closing line points at
+    summary.md, so it is written, without a plot."""
+    from mingpt_ddp.tools import sweep
+
+    for point in ("0", "1"):
+        (tmp_path / point / ".hydra").mkdir(parents=True)
+        (tmp_path / point / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr={point}\n")
+        (tmp_path / point / "result.json").write_text(json.dumps({"status": "failed", "error": "data file not found"}))
+    sweep.write_summary(str(tmp_path))
+    assert [r["status"] for r in summary_rows(tmp_path)] == ["failed", "failed"]
+    assert "data file not found" in (tmp_path / "summary.md").read_text()
+
+
 @pytest.mark.cli
 def test_a_second_sweep_in_a_live_sweeps_directory_is_refused_before_hydra_writes(tmp_path, small_corpus):
     """Sweep B started in the directory of sweep A while A's point 0 trains: B stops within

@@ -108,6 +108,8 @@ def _try_plot(root: Path) -> Optional[str]:
         png = plot_runs(root, root / "losses.png")
     except ImportError:
         return "(install the `plot` extra, matplotlib, for a plot of the losses)"
+    except FileNotFoundError:  # every point failed before its first metrics line
+        return "(no point logged a loss to plot)"
     return f"![losses]({png.name})"
 
 
