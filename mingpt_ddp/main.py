@@ -375,7 +375,7 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
     if lifted and dist.is_main:
         log.info(lifted)
     state = TrainState(**found.snapshot["train_state"])
-    if not is_finished(state, cfg.trainer) or state.final_eval_pending:  # pending: the resume completes it
+    if not is_finished(state, cfg.trainer):
         return None
     past = past_limits(state, found.snapshot.get("config"), cfg.trainer)
     if past:  # it trained further than this config would: its loss is not this config's (a reordered sweep)
@@ -387,6 +387,8 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
             f"the run at {found.where} finished on another corpus than this config's ({corpus_changed}): its result "
             "is not this corpus's. Start a new run (another hydra.run.dir / hydra.sweep.dir), or give the text and "
             "data settings it was trained on")
+    if state.final_eval_pending:  # training is over, for this config too: the resume runs the final evaluation
+        return None  # (a resume compares the settings it may not change: check_same_run)
     changed = settings_changed(found.snapshot.get("config"), cfg, finished=True,
                                planned_total=found.snapshot.get("total_steps"))
     if changed:  # its loss would be credited to settings it never trained with (a reordered sweep)

@@ -142,3 +142,32 @@ def test_what_a_finished_run_or_a_resume_is_compared_on():
     assert past_limits(two_epochs, saved("trainer.max_epochs=2"), composed("trainer.max_epochs=2").trainer) is None
     assert past_limits(two_epochs, saved("trainer.max_epochs=2"), composed("trainer.max_epochs=1").trainer) \
         == "it stopped in epoch 2 (step 16): trainer.max_epochs=2 then, 1 now"
+
+
+@pytest.mark.unit
+def test_a_snapshot_pending_its_final_evaluation_is_refused_like_a_finished_run():
+    """finished_earlier (main.py): a snapshot saved at the last step before the final
+    evaluation (a kill during it) is no finished run yet, but its training is over: a config
+    that stops earlier, or another corpus, is refused as for a finished run, never completed
+    and reported as this config's result."""
+    from dataclasses import asdict
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from mingpt_ddp.distributed import DistEnv
+    from mingpt_ddp.errors import ConfigError
+    from mingpt_ddp.main import AgreedSnapshot, finished_earlier
+    from mingpt_ddp.trainer import TrainState
+
+    dist = DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1, device=torch.device("cpu"), backend="gloo")
+    then = OmegaConf.to_container(composed("trainer.max_steps=20"), resolve=True, enum_to_str=True)
+    for pending in (False, True):
+        state = asdict(TrainState(epoch=0, step=20, epoch_position=160, final_eval_pending=pending))
+        found = AgreedSnapshot({"train_state": state, "config": then, "total_steps": 20}, "run/snapshot.pt")
+        with pytest.raises(ConfigError, match="finished past this config's end"):
+            finished_earlier(composed("trainer.max_steps=10"), dist, found)
+        with pytest.raises(ConfigError, match="finished on another corpus"):
+            finished_earlier(composed("trainer.max_steps=20"), dist, found, corpus_changed="the text changed")
+        same = finished_earlier(composed("trainer.max_steps=20"), dist, found)
+        assert (same is None) == pending  # pending: the resume runs the final evaluation
