@@ -537,7 +537,11 @@ class Trainer:
         self.state.final_eval_pending = True
         stop_request.saving_last_snapshot(self._newest_saved, stopping=self.stopped_by is not None)
         if self.failed_check is None:
-            self.save()  # waited for after the final evaluation, which runs meanwhile
+            # Where saving a step again would first remove its committed snapshot (sharded
+            # snapshots), the last step is saved once, after the final evaluation, unless a
+            # stop ends the run before it. (Every rank's saver says the same: lockstep.)
+            if self.stopped_by or getattr(self.saver, "replaces_a_step_atomically", True):
+                self.save()  # waited for after the final evaluation, which runs meanwhile
             return
         try:
             self.save()

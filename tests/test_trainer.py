@@ -166,6 +166,19 @@ def test_the_last_step_is_saved_before_the_final_evaluation_then_after_it(text):
     assert saver.saved[-1][1]["last_val_loss"] == val_loss
 
 
+def test_where_a_step_cannot_be_saved_again_atomically_the_last_step_is_saved_once(text):
+    """Sharded snapshots remove a step's committed directory before its second save is
+    committed: a kill then would lose the step and, with keep_last=1, the whole run. Their
+    saver says so, and the last step is saved once, after the final evaluation."""
+    trainer = make_trainer(text, max_steps=4, snapshot_every_steps=2, eval_every=1000, eval_batches=1)
+    trainer.saver = saver = RecordingSaver()
+    saver.replaces_a_step_atomically = False
+    val_loss = trainer.fit()
+    assert [(step, state["final_eval_pending"], check) for step, state, check in saver.saved] == [
+        (2, False, None), (4, False, None)]
+    assert saver.saved[-1][1]["last_val_loss"] == val_loss
+
+
 @pytest.fixture(autouse=True)
 def forget_stop_signals():
     """A stop signal stays `received` after training (a sweep ends on it): not into the next test."""

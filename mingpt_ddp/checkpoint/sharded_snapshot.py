@@ -875,6 +875,10 @@ class ShardedSaver:
     are written in the background; at most one save is in flight. `run_lock` (rank 0's
     RunLock): once it is lost, rank 0 commits nothing more and every rank's save fails."""
 
+    # A second save of a step removes its committed directory before the new one is
+    # committed (ShardedSnapshotStore._clear_for_save): the trainer saves the last step once.
+    replaces_a_step_atomically = False
+
     def __init__(self, store, run_lock: Any = None):
         self.store = store
         store.run_lock = run_lock

@@ -445,6 +445,9 @@ class BackgroundSaver:
     under way confirms it again before publishing, and is dropped if it was lost meanwhile.
     """
 
+    # A second save of a step replaces its file by a rename: the old one stays until then.
+    replaces_a_step_atomically = True
+
     def __init__(self, store: SnapshotStore, retry_minutes: float = 15.0,
                  clock: Callable[[], float] = time.monotonic, run_lock: Any = None):
         self.store = store
