@@ -157,7 +157,7 @@ def test_inputs_fsdp_refuses_with_one_message(tmp_path, small_corpus):
     text = expect_error(run_cli([*base, "model.n_embd=1", "model.n_head=1"], nproc=2, timeout=120),
                         "the model is too small to shard over 2 processes", code=None)
     assert text.count("error:") == 1, text
-    expect_error(run_cli([*base, "trainer.strategy=zero3"], timeout=120), "Invalid value 'zero3'", code=1)
+    expect_error(run_cli([*base, "trainer.strategy=zero3"], timeout=120), "Invalid value 'zero3'", code=2)
 
     # DDP snapshots go on under FSDP (each rank takes its shard); FSDP's shards are not
     # resumed by DDP, which says how.
