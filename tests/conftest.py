@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from leftovers import pytest_configure, pytest_unconfigure  # noqa: F401  (nothing a run starts outlives it)
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
