@@ -63,13 +63,16 @@
 #                   interface, or loopback) and NCCL its own pick. The topology line says which.
 #   EFA             auto / 1 / 0 [auto: on when this node has EFA devices (`fi_info -p efa`
 #                   succeeds, or /sys/class/infiniband has a device bound to the efa driver)].
-#                   On: exports FI_PROVIDER=efa, and FI_EFA_USE_DEVICE_RDMA=1 on instance types
+#                   Exported to the workers resolved, as 1 or 0. On: exports FI_PROVIDER=efa,
+#                   and FI_EFA_USE_DEVICE_RDMA=1 on instance types
 #                   with RDMA read (p4d, p4de, p5*, p6*, trn1*, trn2*). A variable you exported
 #                   yourself is never changed; the topology line says what was set and kept.
 #   EC2_INSTANCE_TYPE  instance type for that RDMA choice [/sys/devices/virtual/dmi/id/product_name]
-#   PREFLIGHT       0 / 1 / only [0]. 1: before training, run mingpt_ddp/tools/preflight.py through
-#                   the same torchrun topology (every node's devices and versions, an
-#                   all_reduce sweep); a failed check stops the job before training. only:
+#   PREFLIGHT       0 / 1 / only [0; train.sbatch: 1]. 1: before training, run
+#                   mingpt_ddp/tools/preflight.py through the same torchrun topology (every
+#                   node's devices and versions, an all_reduce sweep, and where EFA is on
+#                   (EFA above) NCCL's transport between nodes: TCP sockets fail the check);
+#                   a failed check stops the job before training. only:
 #                   run the checks and exit. PREFLIGHT_MIN_BUSBW (GB/s, default off) and
 #                   PREFLIGHT_MAX_BYTES are read by the checks (see mingpt_ddp/tools/preflight.py).
 #   PREFLIGHT_PORT  rendezvous port of the checks [RDZV_PORT + 1], so that a node that
@@ -289,6 +292,9 @@ if ((efa_on)); then
 else
   efa_state="efa=off ($efa_how)"
 fi
+# Resolved for the workers: pre-flight fails when EFA is expected here (1) and NCCL's inter-node
+# transport is TCP sockets (mingpt_ddp/tools/preflight.py, check_transport).
+export EFA=$efa_on
 
 # ---- pre-flight checks ------------------------------------------------------------------
 PREFLIGHT=${PREFLIGHT:-0}

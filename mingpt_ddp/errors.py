@@ -22,6 +22,7 @@ from typing import Any, Optional
 # after the step: the classes of the last try only, and whether the run made progress.
 STEP_ERRORS_ENV = "MINGPT_STEP_ERRORS"
 PROGRESS_FILE = "snapshot_step"
+CRASH_FILE = "Crashed"  # record_crash: a worker of that try crashed (not a class: no exit code of its own)
 # The key of the torchelastic error file (TORCHELASTIC_ERROR_FILE) that names the class.
 CLASS_KEY = "mingpt_error_class"
 
@@ -98,9 +99,28 @@ def record(error: UserFacingError | type[UserFacingError], message: str) -> None
             pass
 
 
-def _try_dir() -> Optional[str]:
+def _try_dir(try_number: Optional[int] = None) -> Optional[str]:
     step_errors = os.environ.get(STEP_ERRORS_ENV)
-    return os.path.join(step_errors, f"try-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}") if step_errors else None
+    if try_number is None:
+        try_number = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return os.path.join(step_errors, f"try-{try_number}") if step_errors else None
+
+
+def record_crash(try_number: Optional[int] = None) -> None:
+    """Mark this try of the step as crashed (MINGPT_STEP_ERRORS/try-<n>/Crashed): a worker
+    raised (a bug, CUDA out of memory) or died of a signal its agent did not send (the
+    kernel's OOM killer). A crash recurs where the run resumes, so launch/train.sbatch
+    requeues it only when a newer snapshot was saved, never "once more" as it does a lost
+    node or peer. `try_number`: the agent's own record, for its last try (it has no
+    TORCHELASTIC_RESTART_COUNT). Best effort, like `record`."""
+    step_errors = _try_dir(try_number)
+    if step_errors:
+        try:
+            os.makedirs(step_errors, exist_ok=True)
+            with open(os.path.join(step_errors, CRASH_FILE), "a"):
+                pass
+        except OSError:
+            pass
 
 
 def record_start() -> None:

@@ -708,6 +708,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     except Exception as exc:
         lost = distributed.communication_failure(exc)
         if lost is None:
+            errors.record_crash()  # launch/train.sbatch: a crash recurs, requeued only after progress
             raise  # a bug: its traceback reaches torchrun's failure summary (@record)
         _report_error(lost)  # a peer or the network is gone: one line, no traceback
         sys.exit(distributed.LOST_PEERS_EXIT_CODE)

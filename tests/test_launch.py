@@ -129,7 +129,8 @@ sys.meta_path.insert(0, _InjectBug())
 @pytest.mark.dist
 def test_a_bug_reaches_torchruns_failure_summary_with_its_rank_and_traceback(tmp_path, small_corpus):
     """main is wrapped in torch elastic's @record: when rank 1 raises, torchrun's summary names
-    rank 1 and shows the exception and its traceback (not "error_file: <N/A>")."""
+    rank 1 and shows the exception and its traceback (not "error_file: <N/A>"). The crash is
+    recorded for train.sbatch (MINGPT_STEP_ERRORS/try-0/Crashed): requeued only after progress."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BUG_ON_RANK_1)
@@ -137,10 +138,11 @@ def test_a_bug_reaches_torchruns_failure_summary_with_its_rank_and_traceback(tmp
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", MAIN, *TINY,
          f"data.path={small_corpus}", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=180,
-        env=clean_env(PYTHONPATH=f"{site}{os.pathsep}{REPO}"),
+        env=clean_env(PYTHONPATH=f"{site}{os.pathsep}{REPO}", MINGPT_STEP_ERRORS=str(tmp_path / "records")),
     )
     out = output(proc)
     assert proc.returncode != 0, out
+    assert (tmp_path / "records" / "try-0" / "Crashed").exists(), out
     summary = out[out.index("Root Cause"):] if "Root Cause" in out else out
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", summary), out
     assert "RuntimeError: injected bug on rank 1" in summary and "error_file: <N/A>" not in summary, out
@@ -189,7 +191,7 @@ def test_efa_settings_reach_the_agent_environment(tmp_path):
     variables set, the user's kept, and compile threads matching OMP_NUM_THREADS."""
     fake_bin = tmp_path / "bin"
     fake_command(fake_bin, "fi_info", "exit 0\n")
-    fake_command(fake_bin, "python-env", 'env | grep -E "^(FI_|TORCHINDUCTOR_COMPILE_THREADS|OMP_NUM_THREADS)" | sort\n')
+    fake_command(fake_bin, "python-env", 'env | grep -E "^(FI_|EFA=|TORCHINDUCTOR_COMPILE_THREADS|OMP_NUM_THREADS)" | sort\n')
     env = clean_env(PATH=f"{fake_bin}:{os.environ['PATH']}", PYTHON=str(fake_bin / "python-env"),
                     HEAD_NODE="127.0.0.1", IS_HEAD="1", FI_EFA_USE_DEVICE_RDMA="0", EC2_INSTANCE_TYPE="p4d.24xlarge",
                     NPROC_PER_NODE="2")
@@ -199,6 +201,7 @@ def test_efa_settings_reach_the_agent_environment(tmp_path):
     assert proc.returncode == 0, output(proc)
     seen = dict(line.split("=", 1) for line in proc.stdout.split())
     assert seen["FI_PROVIDER"] == "efa" and seen["FI_EFA_USE_DEVICE_RDMA"] == "0", seen
+    assert seen["EFA"] == "1", seen  # resolved from auto: pre-flight expects EFA's transport
     assert seen["TORCHINDUCTOR_COMPILE_THREADS"] == seen["OMP_NUM_THREADS"], seen
 
 
@@ -228,10 +231,13 @@ if [ "$1" = --help ]; then
   exit 0
 fi
 printf '%s\\n' "$@" > "$FAKE_SRUN_LOG"
-env | grep -E '^(TORCH_(FR|NCCL)_|MINGPT_STEP_ERRORS=)' | sort >> "$FAKE_SRUN_LOG.env"
+env | grep -E '^(TORCH_(FR|NCCL)_|MINGPT_STEP_ERRORS=|PREFLIGHT=|MAX_RESTARTS=)' | sort >> "$FAKE_SRUN_LOG.env"
 for error_class in ${FAKE_STEP_ERRORS:-}; do  # [try:]class: what a worker that ended with it records (errors.record)
   try=0; case "$error_class" in *:*) try=${error_class%%:*} error_class=${error_class#*:} ;; esac
   TORCHELASTIC_RESTART_COUNT=$try "$FAKE_PYTHON" -c "import sys; from mingpt_ddp import errors; errors.record_start(); errors.record(errors.by_name(sys.argv[1]), 'x')" "$error_class"
+done
+for try in ${FAKE_CRASHED_TRIES:-}; do  # a try in which a worker crashed (errors.record_crash)
+  TORCHELASTIC_RESTART_COUNT=$try "$FAKE_PYTHON" -c "from mingpt_ddp import errors; errors.record_start(); errors.record_crash()"
 done
 for try in ${FAKE_TRIES_STARTED:-}; do  # a try of the step whose workers started (and recorded nothing)
   TORCHELASTIC_RESTART_COUNT=$try "$FAKE_PYTHON" -c "from mingpt_ddp import errors; errors.record_start()"
@@ -278,6 +284,7 @@ def test_sbatch_stops_when_pyxis_is_absent(tmp_path):
     assert proc.returncode == 0, output(proc)
     assert "--container-image=/fsx/apps/mingpt-ddp.sqsh" in srun_args, srun_args
     assert f"--container-mounts={REPO}:{REPO},/fsx:/fsx" in srun_args, srun_args
+    assert "--container-name=mingpt-777" in srun_args, srun_args  # steps of the job reuse it (Pyxis)
 
 
 @pytest.mark.cli
@@ -318,7 +325,8 @@ def test_sbatch_flight_recorder_dumps_into_the_run_directory(tmp_path):
 FAKE_SCONTROL = '''
 echo "$*" >> "$FAKE_SCONTROL_LOG"
 case "$1 $2" in
-  "show job") echo "JobId=777 JobName=mingpt"; echo "   OverSubscribe=${FAKE_OVERSUBSCRIBE:-NO} Contiguous=0" ;;
+  "show job") echo "JobId=777 JobName=mingpt"; echo "   OverSubscribe=${FAKE_OVERSUBSCRIBE:-NO} Contiguous=0"
+              echo "   ${FAKE_JOB_TRES:-TresPerTask=cpu=1}" ;;
   "show node") echo "NodeName=n1 Arch=x86_64 CoresPerSocket=48 Gres=${FAKE_GRES:-gpu:h100:8(S:0-1)} NodeAddr=n1" ;;
   "requeue $SLURM_JOB_ID") exit "${FAKE_REQUEUE_EXIT:-0}" ;;
   *) exit 1 ;;
@@ -331,15 +339,19 @@ def test_sbatch_passes_an_exclusive_jobs_gpus_to_its_step(tmp_path):
     """An --exclusive job holds all of its nodes' GPUs, but Slurm gives a step only the GPUs
     the job asked for: without a request the step would see none and train on CPU. The
     script asks for the node's GPUs for the step (srun --gres=gpu:8); not when the job asked
-    itself, when it is not exclusive, on nodes without GPUs, or with DEVICE=cpu."""
+    itself, when it is not exclusive, on nodes without GPUs, or with DEVICE=cpu. What the job
+    asked is its request (--gpus-per-node, --gres as TresPerNode), not its allocation: an
+    exclusive job that asked nothing has SLURM_JOB_GPUS and SLURM_GPUS_ON_NODE too."""
     log = tmp_path / "scontrol.log"
     run = lambda **env: fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL,  # noqa: E731
                                         FAKE_SCONTROL_LOG=str(log), **env)
     proc, srun_args, _ = run()
     assert proc.returncode == 0 and "--gres=gpu:8" in srun_args, output(proc)
     assert "exclusive job on nodes with 8 GPU(s) each: the step asks for them" in output(proc)
-    for settings in ({"SLURM_GPUS_ON_NODE": "8"}, {"FAKE_OVERSUBSCRIBE": "OK"}, {"FAKE_GRES": "(null)"},
-                     {"DEVICE": "cpu"}):
+    proc, srun_args, _ = run(SLURM_GPUS_ON_NODE="8", SLURM_JOB_GPUS="0,1,2,3,4,5,6,7")  # allocated, not asked
+    assert proc.returncode == 0 and "--gres=gpu:8" in srun_args, output(proc)
+    for settings in ({"SLURM_GPUS_PER_NODE": "8"}, {"FAKE_JOB_TRES": "TresPerNode=gres/gpu:4"},
+                     {"FAKE_OVERSUBSCRIBE": "OK"}, {"FAKE_GRES": "(null)"}, {"DEVICE": "cpu"}):
         proc, srun_args, _ = run(**settings)
         assert proc.returncode == 0 and not any(a.startswith("--gres") for a in srun_args), (settings, srun_args)
 
@@ -477,9 +489,37 @@ def test_sbatch_requeues_a_failed_step_only_while_the_run_advances(tmp_path):
     assert attempt(0, **run_error, FAKE_SNAPSHOT_STEP="100")[1]
     assert attempt(1, **run_error)[1]
     assert attempt(2, **run_error, FAKE_SNAPSHOT_STEP="150")[1]  # advanced again
-    assert attempt(3, FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")[1]  # a late crash, once
+    assert attempt(3, FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")[1]  # a late lost peer, once
     rc, requeued, out = attempt(4, FAKE_SRUN_EXIT="1", REQUEUE_MIN_STEP_SECONDS="0")
     assert rc == 1 and not requeued and "no newer snapshot than step 150" in out, out
+
+
+@pytest.mark.cli
+def test_sbatch_requeues_a_crash_only_after_progress(tmp_path):
+    """A worker that crashed (a traceback such as CUDA out of memory, or killed by the kernel:
+    errors.record_crash) crashes again where the run resumes: requeued only when a newer
+    snapshot was saved, never once without (a lost peer is). Its peers' RunErrors do not make
+    it a RunError. The step runs with one torchrun restart and pre-flight on, unless exported."""
+    log = tmp_path / "scontrol.log"
+
+    def attempt(restart: int, **env: str) -> tuple[int, bool, str, str]:
+        log.unlink(missing_ok=True)
+        proc, _, step_env = fake_sbatch_run(tmp_path, "model=gpt-nano", scontrol=FAKE_SCONTROL,
+                                            FAKE_SCONTROL_LOG=str(log), FAKE_GRES="(null)",
+                                            SLURM_RESTART_COUNT=str(restart), REQUEUE_MIN_STEP_SECONDS="0", **env)
+        return proc.returncode, log.exists() and "requeue 777" in log.read_text(), output(proc), step_env
+
+    rc, requeued, out, step_env = attempt(0, FAKE_SRUN_EXIT="1", FAKE_CRASHED_TRIES="0 1")  # the first eval OOMs
+    assert rc == 1 and not requeued and "crash" in out and "no snapshot saved" in out, out
+    assert "MAX_RESTARTS=1\n" in step_env and "PREFLIGHT=1\n" in step_env, step_env
+    assert attempt(0, FAKE_SRUN_EXIT="1", FAKE_CRASHED_TRIES="1", FAKE_SNAPSHOT_STEP="100")[1]  # crashed after progress
+    rc, requeued, out, _ = attempt(1, FAKE_SRUN_EXIT="4", FAKE_CRASHED_TRIES="1", FAKE_STEP_ERRORS="1:RunError")
+    assert rc == 4 and not requeued and "no newer snapshot than step 100" in out, out
+    # A crash in an earlier try only (the last try lost a peer): not a crash, requeued once.
+    rc, requeued, out, step_env = attempt(0, FAKE_SRUN_EXIT="1", FAKE_CRASHED_TRIES="0", FAKE_TRIES_STARTED="1",
+                                          MAX_RESTARTS="3", PREFLIGHT="0")
+    assert rc == 0 and requeued, out
+    assert "MAX_RESTARTS=3\n" in step_env and "PREFLIGHT=0\n" in step_env, step_env
 
 
 @pytest.mark.cli
@@ -546,6 +586,67 @@ def test_preflight_node_checks_name_the_node():
     nan = [{**rows[0], "timed_data_finite": False}, rows[1]]
     problem = check_comm({"ranks": 16, "rows": rows}, ranks, None, [None] * 3 + [own_failure({"rows": nan})] + [None] * 12)
     assert "non-finite values (inf/NaN) at 1048576 bytes on rank 3 (node gpu-1)" in problem, problem
+
+
+# NCCL INFO lines of one rank of a 2-node job (NCCL's formats: src/init.cc "Using network %s",
+# src/transport/net.cc "... via NET/%s/%d"): over aws-ofi-nccl, and fallen back to NCCL's sockets.
+NCCL_EFA_LOG = """\
+gpu-1:6831:6840 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.9.1-aws
+gpu-1:6831:6840 [0] NCCL INFO NET/OFI Selected Provider is efa (found 4 nics)
+gpu-1:6831:6840 [0] NCCL INFO Using network Libfabric
+gpu-1:6831:6840 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM
+gpu-1:6831:6840 [0] NCCL INFO Channel 00/0 : 15[7] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA
+gpu-1:6831:6840 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/Libfabric/0/GDRDMA
+"""
+NCCL_SOCKET_LOG = """\
+gpu-2:7001:7010 [0] NCCL INFO NET/Plugin: Could not find: libnccl-net.so. Using internal network plugin.
+gpu-2:7001:7010 [0] NCCL INFO NET/Socket : Using [0]ens32:10.0.1.18<0>
+gpu-2:7001:7010 [0] NCCL INFO Using network Socket
+gpu-2:7001:7010 [0] NCCL INFO Channel 00/0 : 8[0] -> 9[1] via P2P/CUMEM
+gpu-2:7001:7010 [0] NCCL INFO Channel 00/0 : 7[7] -> 8[0] [receive] via NET/Socket/0
+gpu-2:7001:7010 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [send] via NET/Socket/0
+"""
+
+
+@pytest.mark.unit
+def test_preflight_fails_where_efa_is_expected_and_nccl_fell_back_to_sockets():
+    """NCCL's transport between nodes, read from the sweep's own INFO log: TCP sockets where a
+    node expects EFA fail pre-flight naming the node; EFA's transport passes, and so do sockets
+    where EFA is off, one node (no NET channel) and gloo."""
+    from mingpt_ddp.tools import bench
+    from mingpt_ddp.tools.preflight import check_transport
+
+    def rank(r: int, host: str, log: str) -> dict:
+        return {"rank": r, "host": host, "backend": "nccl", **bench.nccl_transport(log)}
+
+    efa = [facts("gpu-1", efa=True), facts("gpu-2", efa=True)]
+    assert check_transport([rank(0, "gpu-1", NCCL_EFA_LOG), rank(1, "gpu-2", NCCL_EFA_LOG)], efa) is None
+    problem = check_transport([rank(0, "gpu-1", NCCL_EFA_LOG), rank(1, "gpu-2", NCCL_SOCKET_LOG)], efa)
+    assert problem and problem.startswith("node gpu-2 (rank 1) has EFA but NCCL connects it to the other nodes over TCP "
+                                          "sockets (NCCL ?: NET/Socket x2, P2P x1; network Socket)"), problem
+    assert "aws-ofi-nccl" in problem and "EFA=0" in problem, problem
+    no_efa = [facts("gpu-1", efa=False), facts("gpu-2", efa=False)]
+    assert check_transport([rank(0, "gpu-1", NCCL_SOCKET_LOG), rank(1, "gpu-2", NCCL_SOCKET_LOG)], no_efa) is None
+    one_node = NCCL_SOCKET_LOG.replace("via NET/Socket/0", "via P2P/CUMEM")
+    assert check_transport([rank(0, "gpu-1", one_node)], efa) is None
+    assert check_transport([{"rank": 0, "host": "cpu-1", "backend": "gloo"}], efa) is None
+
+
+@pytest.mark.unit
+def test_preflight_expects_efa_as_multinode_resolves_it(tmp_path):
+    """EFA=1/0 (multinode.sh exports its resolved choice) decide; by hand (EFA unset or auto) a
+    device bound to the efa driver under /sys/class/infiniband does, as multinode's auto."""
+    from mingpt_ddp.tools.preflight import efa_expected
+
+    sysfs, driver = tmp_path / "infiniband", tmp_path / "drivers" / "efa"
+    driver.mkdir(parents=True)
+    (sysfs / "rdmap16s27" / "device").mkdir(parents=True)
+    assert efa_expected({"EFA": "1"}, str(sysfs)) and not efa_expected({"EFA": "0"}, str(sysfs))
+    empty = dict(PATH=str(tmp_path / "no-bin"))  # no fi_info either
+    assert not efa_expected(empty, str(sysfs))
+    (sysfs / "rdmap16s27" / "device" / "driver").symlink_to(driver)
+    assert efa_expected(empty, str(sysfs)) and efa_expected({"EFA": "auto"}, str(sysfs))
+    assert not efa_expected({"EFA": "0"}, str(sysfs))
 
 
 @pytest.mark.cli

@@ -63,7 +63,9 @@ def slurm():
         shutil.rmtree(cluster_dir, ignore_errors=True)
         pytest.fail(f"Slurm bring-up failed:\n{up.stderr}{down.stderr}{logs}")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
-    env.update(SLURM_CONF=f"{cluster_dir}/slurm.conf", PYTHONUNBUFFERED="1")
+    # PREFLIGHT=0: train.sbatch's default (1) is tested in tests/test_launch.py, the checks on this
+    # cluster by the tests that ask for them; the other jobs skip their extra torchrun round.
+    env.update(SLURM_CONF=f"{cluster_dir}/slurm.conf", PYTHONUNBUFFERED="1", PREFLIGHT="0")
     try:
         yield env
     finally:

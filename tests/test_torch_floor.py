@@ -52,6 +52,20 @@ def test_the_floor_is_the_same_in_pyproject_the_dependency_check_the_image_and_t
 
 
 @pytest.mark.unit
+def test_the_image_tests_its_own_torch():
+    """The image keeps its base's torch (2.9 in the default AWS image), not the one the suite
+    runs on elsewhere: its `test` target runs the unit and dist tiers on that torch, with the
+    tests and docs in the build context; the default target (the last stage) is the image."""
+    dockerfile = (REPO / "launch" / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM (.+)$", dockerfile, re.M)
+    assert stages[0] == "${BASE_IMAGE} AS image" and "image AS test" in stages and stages[-1] == "image", stages
+    test_stage = dockerfile[dockerfile.index("FROM image AS test"):]
+    assert 'pytest -m "unit or dist"' in test_stage and "-c /tmp/keep.txt" in test_stage, test_stage
+    ignored = [line for line in (REPO / ".dockerignore").read_text().splitlines() if not line.startswith("#")]
+    assert not {"tests", "docs", "benchmarks"} & set(ignored) and "!data/README.md" in ignored, ignored
+
+
+@pytest.mark.unit
 def test_the_installed_torch_has_the_apis_the_floor_stands_for():
     """What tests/setup.sh installs has them (what 2.8 lacks: DefaultStager, StagingOptions)."""
     from torch.distributed import broadcast_object_list

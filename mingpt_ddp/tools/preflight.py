@@ -16,16 +16,21 @@ the node and what is wrong:
 - torch, CUDA, NCCL or Python versions differ between nodes;
 - the all_reduce gave wrong sums or non-finite values on any rank (the first such rank and
   its node are named), or its busbw at the largest size is below PREFLIGHT_MIN_BUSBW
-  (GB/s; unset: not checked).
+  (GB/s; unset: not checked);
+- a node expects EFA (EFA=1, as launch/multinode.sh resolves EFA=auto; by hand, EFA unset:
+  an EFA device) but NCCL connected it to the other nodes over TCP sockets (NET/Socket).
 
 PREFLIGHT_MAX_BYTES sets the largest all_reduce [256MB with GPUs, 4MB on CPUs].
 """
 from __future__ import annotations
 
 import datetime
+import glob
 import os
 import platform
+import shutil
 import socket
+import subprocess
 import sys
 from typing import Any, Optional
 
@@ -51,6 +56,30 @@ def fabric_environment() -> dict[str, str]:
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(FABRIC_ENV_PREFIXES)}
 
 
+def efa_expected(env: Optional[dict[str, str]] = None, sysfs: str = "/sys/class/infiniband") -> bool:
+    """Whether this node's collectives should leave it over EFA: EFA=1/on (launch/multinode.sh
+    exports its resolved choice), not for EFA=0/off; else (run by hand, EFA unset or auto) as
+    multinode.sh's auto decides: a device in `sysfs` bound to the efa driver, or `fi_info -p
+    efa` succeeding."""
+    env = os.environ if env is None else env
+    value = env.get("EFA", "auto").strip().lower()
+    if value in ("1", "on"):
+        return True
+    if value in ("0", "off"):
+        return False
+    if any(os.path.basename(os.path.realpath(os.path.join(dev, "device", "driver"))) == "efa"
+           for dev in glob.glob(os.path.join(sysfs, "*"))):
+        return True
+    for fi_info in (shutil.which("fi_info", path=env.get("PATH")), "/opt/amazon/efa/bin/fi_info"):
+        if fi_info and os.access(fi_info, os.X_OK):
+            try:
+                if subprocess.run([fi_info, "-p", "efa"], capture_output=True, timeout=20).returncode == 0:
+                    return True
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+    return False
+
+
 def node_facts(local_world_size: int, fabric: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """What this process sees of its node."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -71,6 +100,7 @@ def node_facts(local_world_size: int, fabric: Optional[dict[str, str]] = None) -
         "nccl": nccl,
         "python": platform.python_version(),
         "fabric_env": fabric_environment() if fabric is None else fabric,
+        "efa": efa_expected(),
     }
 
 
@@ -148,6 +178,27 @@ def check_comm(result: dict[str, Any], facts: list[dict[str, Any]], min_busbw: O
     return None
 
 
+def check_transport(transport: list[dict[str, Any]], facts: list[dict[str, Any]]) -> Optional[str]:
+    """A rank whose node expects EFA (facts' "efa") but whose NCCL channels to other nodes are
+    TCP sockets: NCCL names its network transport in each channel's INFO line, "Channel 00/0 :
+    0[0] -> 8[0] [send] via NET/<network>/<device>" (src/transport/net.cc, with the network's
+    name: "Socket" for NCCL's own TCP transport, src/transport/net_socket.cc; "Libfabric" or
+    "AWS Libfabric" for aws-ofi-nccl), read by bench.nccl_transport from the sweep's own log.
+    No NET channel (one node) is no fallback; a log that could not be read is not judged."""
+    for t in transport:
+        if not facts[t["rank"]].get("efa") or t.get("backend") != "nccl":
+            continue
+        sockets = t.get("channels", {}).get("NET/Socket", 0)
+        if sockets:
+            return (f"node {t['host']} (rank {t['rank']}) has EFA but NCCL connects it to the other nodes over TCP "
+                    f"sockets ({bench.describe_transport(t)}): NCCL did not load the aws-ofi-nccl plugin, or "
+                    "libfabric found no EFA device. Check that the image or environment has aws-ofi-nccl "
+                    "(libnccl-net*.so on LD_LIBRARY_PATH, or NCCL_NET_PLUGIN), that `fi_info -p efa` lists devices "
+                    "inside the container, and that the security group allows all traffic to itself; or set EFA=0 "
+                    "to train over TCP on purpose")
+    return None
+
+
 def settings() -> tuple[Optional[float], str]:
     """(PREFLIGHT_MIN_BUSBW or None, PREFLIGHT_MAX_BYTES)."""
     raw = os.environ.get("PREFLIGHT_MIN_BUSBW", "").strip()
@@ -202,7 +253,11 @@ def run() -> Optional[str]:
         if dist.is_main:
             bench.report("comm", {**result, "env": bench.environment(dist)})
         failures = distributed.all_gather_object(own_failure(result))  # every rank's own check, not rank 0's
-        problem = check_comm(result, facts, min_busbw, failures)
+        problem = check_comm(result, facts, min_busbw, failures) or check_transport(result["transport"], facts)
+        unread = [t for t in result["transport"] if facts[t["rank"]].get("efa") and "unknown" in t]
+        if problem is None and unread and dist.is_main:
+            print(f"preflight: warning: EFA expected but NCCL's transport not checked on rank(s) "
+                  f"{','.join(str(t['rank']) for t in unread)}: {unread[0]['unknown']}", flush=True)
         if problem is None and dist.is_main:
             last = result["rows"][-1]
             print(f"preflight: passed: {len(nodes)} node(s), {dist.world_size} rank(s), busbw "

@@ -280,6 +280,8 @@ def cli() -> None:
         say(rendezvous_failure(exc, args))
         sys.exit(RDZV_FAILED_EXIT)
     except ChildFailedError as exc:
+        if any(crashed(f) for f in exc.failures.values()):  # a signal (OOM killer) leaves no record of its own
+            errors.record_crash(args.max_restarts)  # the last try: its restarts are spent
         line = workers_failed(exc)
         if line is None:
             raise
