@@ -43,7 +43,7 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
-from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu_record,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest, shield_compile_workers
@@ -683,11 +683,9 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
             "wall_tokens_per_s": tokens / max(wall_seconds, seconds, 1e-9),
-            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
+            **mfu_record(self.flops_per_token, tokens_per_s, self.peak_flops, self.datasheet_peak_flops,
+                         self.dist.world_size),
         }
-        if self.datasheet_peak_flops is not None:
-            record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
-                                          self.dist.world_size)
         if self.grad_norm is not None:  # computed for clipping anyway; the same on every rank
             record["grad_norm"] = self.grad_norm.item()
         if includes_compile:
