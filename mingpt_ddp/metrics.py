@@ -325,13 +325,16 @@ def window_loss_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: 
     UTF-8 bytes] of a batch of windows, in float64: what an evaluation adds up over its
     windows and ranks. A target of no bytes would count in val_loss only; <|endoftext|>
     counts as the newline it stands for (tokenizer.byte_lengths), so bits per byte weighs the
-    same text, boundaries included, whatever the tokenizer."""
+    same text, boundaries included, whatever the tokenizer.
+
+    No host sync (an evaluation adds these up on the device and reads them once): no boolean
+    indexing, whose output size the host must wait for, and no tensor made from a host value
+    (issue 30). The per-token losses are fp32, summed in float64."""
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                                reduction="none").double()
     nbytes = byte_lengths[targets.reshape(-1)].double()
-    text = nbytes > 0
-    return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), dtype=torch.float64, device=losses.device),
-                        losses[text].sum(), nbytes.sum()])
+    return torch.stack([losses.sum(), torch.full((), losses.numel(), dtype=torch.float64, device=losses.device),
+                        torch.where(nbytes > 0, losses, 0.0).sum(), nbytes.sum()])
 
 
 def bits_per_byte(text_nats: float, text_bytes: float) -> float:
