@@ -390,7 +390,7 @@ class Trainer:
         self.sampler.dataset = windows
         self.sampler.set_epoch(epoch)
         self.sampler.set_start(self.state.epoch_position)
-        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        indices = self.sampler.indices()
         per_step = self.micro_batch * self.accum_steps
         self._batches_left = len(indices) // per_step  # the loop knows the epoch's last step by it
         for s in range(len(indices) // per_step):
