@@ -811,7 +811,8 @@ def load_compute(path: str) -> dict[str, Any]:
     cfg = compose(train.get("overrides", []))
     step_ms = train.get("ms_per_step_median") or train["ms_per_step"]
     return {"step_ms": step_ms, "gradient_bytes": int(train["state_bytes_whole_model"]["gradients"]),
-            "bucket_bytes": int(cfg.trainer.ddp_bucket_cap_mb * 2**20), "parameters": train["parameters"],
+            "bucket_bytes": int(config.ddp_bucket_cap_mb(cfg.trainer, torch.device(train["env"].get("device", "cpu")).type) * 2**20),
+            "parameters": train["parameters"],
             "source": path}
 
 
