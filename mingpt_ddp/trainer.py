@@ -46,7 +46,7 @@ from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
 from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu_record,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
-from mingpt_ddp.preemption import StopRequest, shield_compile_workers
+from mingpt_ddp.preemption import StopRequest, shield_compile_workers, size_compile_workers
 from mingpt_ddp.checkpoint.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
@@ -488,6 +488,7 @@ class Trainer:
         self.model.train()
         self._last_save_time = time.monotonic()
         if self.strategy.compiled:
+            size_compile_workers(distributed.cpu_threads_per_process(self.dist.local_world_size))
             shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:

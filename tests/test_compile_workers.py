@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from mingpt_ddp import distributed
 
 
 SCRIPT = """import os, signal, sys, time
@@ -95,9 +96,27 @@ def test_a_compiled_trainer_shields_its_workers_before_training(shakespeare, mon
 
     shielded = []
     monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: shielded.append(True))
+    monkeypatch.setattr(trainer_module, "size_compile_workers", lambda n: shielded.append(n))  # issue 30
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
     make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=True).fit()
-    assert shielded == [True]
+    assert shielded == [distributed.cpu_threads_per_process(1), True]  # sized, then started
     make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=False).fit()
-    assert shielded == [True]
+    assert shielded == [distributed.cpu_threads_per_process(1), True]
+
+
+@pytest.mark.unit
+def test_compile_workers_per_rank_are_its_share_of_the_cores_unless_set(monkeypatch):
+    """Issue 30: plain torchrun started min(32, cores) inductor workers in every rank."""
+    import torch._inductor.config as inductor_config
+
+    from mingpt_ddp.preemption import size_compile_workers
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    env = {}
+    assert size_compile_workers(6, env) == 6 and env == {"TORCHINDUCTOR_COMPILE_THREADS": "6"}
+    assert inductor_config.compile_threads == 6
+    assert size_compile_workers(200, {}) == 32 and size_compile_workers(0, {}) == 1
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "3"}
+    inductor_config.compile_threads = 3
+    assert size_compile_workers(6, env) is None and inductor_config.compile_threads == 3
