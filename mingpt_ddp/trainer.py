@@ -170,6 +170,7 @@ class Trainer:
         self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
+        self._evaluated_before = False  # a compiled model's first evaluation compiles its eval graph
         self._evaluated_windows = 0
         self._evaluated_bytes = 0
         self.last_val_bpb: Optional[float] = None
@@ -436,6 +437,8 @@ class Trainer:
         """Mean validation loss per token over all ranks' windows, dropout off; also logged:
         val_bpb, the same windows' loss in bits per byte of their text."""
         self.model.eval()
+        if self.strategy.compiled and not self._evaluated_before:  # its graph compiles now, on every rank
+            distributed.extend_collective_timeout()
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
@@ -456,6 +459,8 @@ class Trainer:
         distributed.all_reduce_sum(totals)
         self.model.train()
         nats, targets, text_nats, text_bytes, counted_windows = totals.tolist()
+        distributed.restore_collective_timeout()  # tolist() waited for the all_reduce
+        self._evaluated_before = True
         val_loss = nats / targets if targets > 0 else float("nan")
         self.state.last_val_loss = val_loss
         self._evaluated_at = self.state.step
@@ -571,6 +576,15 @@ class Trainer:
         # spaces the later ones (a stop signal received during start-up is acted on there).
         self._last_agreement = (self.state.step, time.monotonic())
         self._next_agreement = self.state.step + 1
+        if self.strategy.compiled:  # until that agreement, which follows every rank's compile
+            distributed.extend_collective_timeout()
+        try:
+            return self._train_steps(stop_request, timer, window_loss, window_steps, includes_compile)
+        finally:
+            distributed.restore_collective_timeout()
+
+    def _train_steps(self, stop_request: StopRequest, timer: StepTimer, window_loss: torch.Tensor,
+                     window_steps: int, includes_compile: bool) -> Optional[str]:
         while not self.finished:
             for n, micro_batches in enumerate(self.step_batches(), 1):
                 window_loss += self._optimizer_step(micro_batches)
@@ -592,6 +606,7 @@ class Trainer:
                     window_steps, includes_compile = 0, False
                 if log_step or self.state.step >= self._next_agreement:
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
+                    distributed.restore_collective_timeout()  # the agreement synced: every rank has compiled
                     if stop_signal:
                         if ends_epochs:
                             self._next_epoch()
