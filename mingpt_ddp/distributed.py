@@ -207,7 +207,7 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     Once per process: the sweep points of a multirun reuse the same process group, which
     is torn down when the process exits.
     """
-    global _current, _store, _rank0_wait_minutes
+    global _current, _store, _rank0_wait_minutes, _collective_timeout
     if rank0_wait_minutes is not None:
         _rank0_wait_minutes = rank0_wait_minutes
     if _current is not None:
@@ -222,7 +222,7 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size, device,
              torch.get_num_threads())
     if world_size > 1 and not torch_dist.is_initialized():
-        timeout = datetime.timedelta(minutes=timeout_minutes)
+        timeout = _collective_timeout = datetime.timedelta(minutes=timeout_minutes)
         _store = _process_group_store(rank, world_size, timeout)
         torch_dist.init_process_group(
             backend, store=_store, rank=rank, world_size=world_size, timeout=timeout,
@@ -520,6 +520,39 @@ def _store_barrier() -> None:
             raise RunError(f"waited {_rank0_wait_minutes:g} minutes for the other ranks to finish")
         time.sleep(delay)
         delay = min(2 * delay, 0.5)
+
+
+# The training group's collectives while the ranks may still be compiling (issue 30): a cold
+# compile can take minutes longer on one rank than on another (its cache, its node's load),
+# while the others already wait in the first step's all-reduce.
+COMPILE_COLLECTIVE_TIMEOUT_MINUTES = 30.0
+_collective_timeout: Optional[datetime.timedelta] = None  # the configured one, set by setup()
+_extended = False
+
+
+def extend_collective_timeout(minutes: float = COMPILE_COLLECTIVE_TIMEOUT_MINUTES) -> None:
+    """The training group's collectives issued from now on wait at least `minutes` (until
+    restore_collective_timeout()). _set_pg_timeout sets the backends' default timeout, which
+    each collective takes when it is issued (ProcessGroupNCCL's watchdog times a work item by
+    its own timeout), so issued ones keep it after the restore; torch's own
+    torch.distributed.breakpoint() lengthens a group's timeout the same way. Restore only
+    after a host sync on the long collectives, so that none issued later runs while a rank
+    may still be compiling."""
+    global _extended
+    setter = getattr(torch_dist.distributed_c10d, "_set_pg_timeout", None)
+    if (setter is None or not torch_dist.is_initialized() or _collective_timeout is None
+            or minutes * 60 <= _collective_timeout.total_seconds()):
+        return
+    setter(datetime.timedelta(minutes=minutes))
+    _extended = True
+
+
+def restore_collective_timeout() -> None:
+    """Back to trainer.collective_timeout_minutes (a no-op where it was not extended)."""
+    global _extended
+    if _extended and torch_dist.is_initialized():
+        torch_dist.distributed_c10d._set_pg_timeout(_collective_timeout)
+    _extended = False
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

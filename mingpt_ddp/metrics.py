@@ -60,8 +60,7 @@ class MetricsLog:
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
             + (f", {r['wall_tokens_per_s']:,.0f} wall tok/s" if r.get("wall_tokens_per_s") is not None else "")
             + (" (includes compiling)" if r.get("includes_compile") else "")
-            + (f" | MFU {100 * r['mfu']:.1f}% of measured peak" if r.get("mfu") is not None else "")
-            + (f", {100 * r['mfu_datasheet']:.1f}% of datasheet peak" if r.get("mfu_datasheet") is not None else "")
+            + _mfu_text(r)
             + f" | {self._elapsed_and_eta(r['step'])}"
         )
         if self.interactive:
@@ -102,6 +101,16 @@ class MetricsLog:
             self._file = None
         loggers.close_all(self.sinks, outcome)
         self.sinks = []
+
+
+def _mfu_text(r: dict[str, Any]) -> str:
+    """The progress line's MFU, naming its peak: the datasheet's where the GPU is known (as
+    `mfu` is then), the measured one in brackets; only the measured one elsewhere."""
+    measured = r.get("mfu_measured", r.get("mfu"))
+    if r.get("mfu_datasheet") is not None:
+        return (f" | MFU {100 * r['mfu_datasheet']:.1f}% of datasheet peak"
+                + (f" ({100 * measured:.1f}% of measured)" if measured is not None else ""))
+    return f" | MFU {100 * measured:.1f}% of measured peak" if measured is not None else ""
 
 
 def format_duration(seconds: float) -> str:
@@ -297,18 +306,35 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_per_process: Opt
     return flops_per_token * tokens_per_s / peak if peak > 0 and math.isfinite(peak) else float("nan")
 
 
+def mfu_record(flops_per_token: float, tokens_per_s: float, measured_peak_flops: Optional[float],
+               datasheet_peak_flops: Optional[float], world_size: int) -> dict[str, float]:
+    """The MFU keys of a metrics record. `mfu` is the figure people compare (nanoGPT, PaLM):
+    against the GPU's datasheet peak (`mfu_datasheet`, the same number) where the GPU is in
+    the table, else against the measured peak; `mfu_measured` is always against the peak
+    measured at start, which is below the datasheet's on GPUs, so it reads higher."""
+    measured = mfu(flops_per_token, tokens_per_s, measured_peak_flops, world_size)
+    record = {"mfu": measured, "mfu_measured": measured}
+    if datasheet_peak_flops is not None:
+        record["mfu"] = record["mfu_datasheet"] = mfu(flops_per_token, tokens_per_s, datasheet_peak_flops,
+                                                      world_size)
+    return record
+
+
 def window_loss_sums(logits: torch.Tensor, targets: torch.Tensor, byte_lengths: torch.Tensor) -> torch.Tensor:
     """[summed loss (nats), targets, summed loss of the targets that stand for text, their
     UTF-8 bytes] of a batch of windows, in float64: what an evaluation adds up over its
     windows and ranks. A target of no bytes would count in val_loss only; <|endoftext|>
     counts as the newline it stands for (tokenizer.byte_lengths), so bits per byte weighs the
-    same text, boundaries included, whatever the tokenizer."""
+    same text, boundaries included, whatever the tokenizer.
+
+    No host sync (an evaluation adds these up on the device and reads them once): no boolean
+    indexing, whose output size the host must wait for, and no tensor made from a host value
+    (issue 30). The per-token losses are fp32, summed in float64."""
     losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
                                                reduction="none").double()
     nbytes = byte_lengths[targets.reshape(-1)].double()
-    text = nbytes > 0
-    return torch.stack([losses.sum(), torch.tensor(float(losses.numel()), dtype=torch.float64, device=losses.device),
-                        losses[text].sum(), nbytes.sum()])
+    return torch.stack([losses.sum(), torch.full((), losses.numel(), dtype=torch.float64, device=losses.device),
+                        torch.where(nbytes > 0, losses, 0.0).sum(), nbytes.sum()])
 
 
 def bits_per_byte(text_nats: float, text_bytes: float) -> float:

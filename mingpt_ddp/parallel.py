@@ -30,7 +30,7 @@ from typing import Any, ContextManager, Optional
 import torch
 import torch.distributed as torch_dist
 
-from mingpt_ddp.config import OptimizerConfig, TrainerConfig
+from mingpt_ddp.config import OptimizerConfig, TrainerConfig, ddp_bucket_cap_mb
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
@@ -88,7 +88,7 @@ class Strategy:
             forward_model,
             device_ids=[self.dist.device.index] if self.dist.device.type == "cuda" else None,
             gradient_as_bucket_view=True,  # gradients are views into the all-reduce buckets: no copies
-            bucket_cap_mb=self.cfg.ddp_bucket_cap_mb,
+            bucket_cap_mb=ddp_bucket_cap_mb(self.cfg, self.dist.device.type),
             static_graph=self.cfg.ddp_static_graph,
         )
 

@@ -22,7 +22,7 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Callable, Optional
+from typing import Callable, MutableMapping, Optional
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Exit status of a run stopped by Ctrl-C, as shells report a process ended by SIGINT.
@@ -72,6 +72,27 @@ def _exit_while_saving(signum: int, newest_saved: Optional[str]) -> None:
     _say(f"stopped by a second {name} without waiting for the last snapshot, which was still being saved: {where}")
     # Under torchrun 0, as after Ctrl-C: a failed worker would be restarted (or reported) by its agent.
     os._exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else 128 + signum)
+
+
+MAX_COMPILE_THREADS = 32  # inductor's own cap (torch/_inductor/config.py decide_compile_threads)
+
+
+def size_compile_workers(threads: int, env: MutableMapping[str, str] = os.environ) -> Optional[int]:
+    """torch.compile's worker processes per rank: this rank's share of the cores (`threads`),
+    unless TORCHINDUCTOR_COMPILE_THREADS was set. Inductor otherwise starts min(32, cores)
+    per rank, 8 x 32 processes on an 8-GPU node under plain torchrun (issue 30); it reads the
+    variable once, at import, so its config is set too. Before any compile (the pool is
+    started by shield_compile_workers or the first compile). The count set, or None."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in env:
+        return None
+    n = max(1, min(MAX_COMPILE_THREADS, threads))
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(n)  # also for the compile sidecar and anything it starts
+    try:
+        import torch._inductor.config as inductor_config
+    except ImportError:
+        return n
+    inductor_config.compile_threads = n
+    return n
 
 
 def shield_compile_workers(signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> bool:

@@ -43,10 +43,10 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
-from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu,
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu_record,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
-from mingpt_ddp.preemption import StopRequest, shield_compile_workers
+from mingpt_ddp.preemption import StopRequest, shield_compile_workers, size_compile_workers
 from mingpt_ddp.checkpoint.snapshot import BackgroundSaver
 from mingpt_ddp.throughput import StepTimer
 
@@ -170,6 +170,7 @@ class Trainer:
         self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
         self._last_save_time = time.monotonic()
         self._evaluated_at: Optional[int] = None
+        self._evaluated_before = False  # a compiled model's first evaluation compiles its eval graph
         self._evaluated_windows = 0
         self._evaluated_bytes = 0
         self.last_val_bpb: Optional[float] = None
@@ -390,7 +391,7 @@ class Trainer:
         self.sampler.dataset = windows
         self.sampler.set_epoch(epoch)
         self.sampler.set_start(self.state.epoch_position)
-        indices = torch.tensor(list(self.sampler), dtype=torch.long)
+        indices = self.sampler.indices()
         per_step = self.micro_batch * self.accum_steps
         self._batches_left = len(indices) // per_step  # the loop knows the epoch's last step by it
         for s in range(len(indices) // per_step):
@@ -436,6 +437,8 @@ class Trainer:
         """Mean validation loss per token over all ranks' windows, dropout off; also logged:
         val_bpb, the same windows' loss in bits per byte of their text."""
         self.model.eval()
+        if self.strategy.compiled and not self._evaluated_before:  # its graph compiles now, on every rank
+            distributed.extend_collective_timeout()
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
@@ -456,6 +459,8 @@ class Trainer:
         distributed.all_reduce_sum(totals)
         self.model.train()
         nats, targets, text_nats, text_bytes, counted_windows = totals.tolist()
+        distributed.restore_collective_timeout()  # tolist() waited for the all_reduce
+        self._evaluated_before = True
         val_loss = nats / targets if targets > 0 else float("nan")
         self.state.last_val_loss = val_loss
         self._evaluated_at = self.state.step
@@ -488,6 +493,7 @@ class Trainer:
         self.model.train()
         self._last_save_time = time.monotonic()
         if self.strategy.compiled:
+            size_compile_workers(distributed.cpu_threads_per_process(self.dist.local_world_size))
             shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
@@ -570,6 +576,15 @@ class Trainer:
         # spaces the later ones (a stop signal received during start-up is acted on there).
         self._last_agreement = (self.state.step, time.monotonic())
         self._next_agreement = self.state.step + 1
+        if self.strategy.compiled:  # until that agreement, which follows every rank's compile
+            distributed.extend_collective_timeout()
+        try:
+            return self._train_steps(stop_request, timer, window_loss, window_steps, includes_compile)
+        finally:
+            distributed.restore_collective_timeout()
+
+    def _train_steps(self, stop_request: StopRequest, timer: StepTimer, window_loss: torch.Tensor,
+                     window_steps: int, includes_compile: bool) -> Optional[str]:
         while not self.finished:
             for n, micro_batches in enumerate(self.step_batches(), 1):
                 window_loss += self._optimizer_step(micro_batches)
@@ -591,6 +606,7 @@ class Trainer:
                     window_steps, includes_compile = 0, False
                 if log_step or self.state.step >= self._next_agreement:
                     stop_signal, save_due = self._agree_on_stop_and_time_save(stop_request)
+                    distributed.restore_collective_timeout()  # the agreement synced: every rank has compiled
                     if stop_signal:
                         if ends_epochs:
                             self._next_epoch()
@@ -683,11 +699,9 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
             "wall_tokens_per_s": tokens / max(wall_seconds, seconds, 1e-9),
-            "mfu": mfu(self.flops_per_token, tokens_per_s, self.peak_flops, self.dist.world_size),
+            **mfu_record(self.flops_per_token, tokens_per_s, self.peak_flops, self.datasheet_peak_flops,
+                         self.dist.world_size),
         }
-        if self.datasheet_peak_flops is not None:
-            record["mfu_datasheet"] = mfu(self.flops_per_token, tokens_per_s, self.datasheet_peak_flops,
-                                          self.dist.world_size)
         if self.grad_norm is not None:  # computed for clipping anyway; the same on every rank
             record["grad_norm"] = self.grad_norm.item()
         if includes_compile:

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO
+from mingpt_ddp import distributed
 
 
 SCRIPT = """import os, signal, sys, time
@@ -95,9 +96,87 @@ def test_a_compiled_trainer_shields_its_workers_before_training(shakespeare, mon
 
     shielded = []
     monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: shielded.append(True))
+    monkeypatch.setattr(trainer_module, "size_compile_workers", lambda n: shielded.append(n))  # issue 30
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
     make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=True).fit()
-    assert shielded == [True]
+    assert shielded == [distributed.cpu_threads_per_process(1), True]  # sized, then started
     make_trainer(shakespeare.read_text()[:20_000], max_steps=1, log_every=1, eval_batches=1, compile=False).fit()
-    assert shielded == [True]
+    assert shielded == [distributed.cpu_threads_per_process(1), True]
+
+
+@pytest.mark.unit
+def test_compile_workers_per_rank_are_its_share_of_the_cores_unless_set(monkeypatch):
+    """Issue 30: plain torchrun started min(32, cores) inductor workers in every rank."""
+    import torch._inductor.config as inductor_config
+
+    from mingpt_ddp.preemption import size_compile_workers
+
+    monkeypatch.setattr(inductor_config, "compile_threads", inductor_config.compile_threads)
+    env = {}
+    assert size_compile_workers(6, env) == 6 and env == {"TORCHINDUCTOR_COMPILE_THREADS": "6"}
+    assert inductor_config.compile_threads == 6
+    assert size_compile_workers(200, {}) == 32 and size_compile_workers(0, {}) == 1
+    env = {"TORCHINDUCTOR_COMPILE_THREADS": "3"}
+    inductor_config.compile_threads = 3
+    assert size_compile_workers(6, env) is None and inductor_config.compile_threads == 3
+
+
+@pytest.mark.unit
+def test_collectives_issued_while_ranks_may_compile_wait_longer(tmp_path, monkeypatch):
+    """Issue 30: trainer.collective_timeout_minutes (5) also bounded the first step's all-reduce,
+    which waits for the slowest rank's compile. A one-process gloo group: its timeout is
+    lengthened, then put back; never shortened."""
+    import datetime
+
+    import torch
+    import torch.distributed as torch_dist
+
+    five = datetime.timedelta(minutes=5)
+    torch_dist.init_process_group("gloo", store=torch_dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                                  world_size=1, timeout=five)
+    try:
+        monkeypatch.setattr(distributed, "_collective_timeout", five)
+        backend = torch_dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        distributed.extend_collective_timeout()
+        assert backend.options._timeout == datetime.timedelta(minutes=distributed.COMPILE_COLLECTIVE_TIMEOUT_MINUTES)
+        distributed.restore_collective_timeout()
+        assert backend.options._timeout == five
+        distributed.extend_collective_timeout(1)
+        assert backend.options._timeout == five
+    finally:
+        distributed.restore_collective_timeout()
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_compiled_trainer_waits_longer_until_every_rank_compiled(shakespeare, monkeypatch, compiled):
+    """The first step and the first evaluation (each compiles a graph) run under the longer
+    timeout, put back after the host synced on their collectives (the first stop agreement,
+    the evaluation's totals)."""
+    import torch
+
+    from mingpt_ddp import trainer as trainer_module
+    from test_throughput_metrics import make_trainer
+
+    events = []
+    monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: None)
+    monkeypatch.setattr(trainer_module, "size_compile_workers", lambda n: None)
+    monkeypatch.setattr(distributed, "extend_collective_timeout", lambda: events.append("extend"))
+    monkeypatch.setattr(distributed, "restore_collective_timeout", lambda: events.append("restore"))
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))
+    trainer = make_trainer(shakespeare.read_text()[:20_000], max_steps=4, log_every=4, eval_every=2, eval_batches=1,
+                           compile=compiled)
+    real_evaluate = trainer.evaluate
+    trainer.evaluate = lambda *a, **k: (events.append("evaluate"), real_evaluate(*a, **k))[1]
+    trainer.step_callbacks.append(lambda t: events.append("step"))
+    trainer.fit()
+    extended = [i for i, e in enumerate(events) if e == "extend"]
+    if not compiled:
+        assert not extended
+        return
+    assert events[:3] == ["extend", "step", "restore"], events
+    assert len(extended) == 2 and events[extended[1] - 1] == "evaluate"  # the first evaluation only
+    assert events[extended[1] + 1] == "restore"

@@ -31,6 +31,15 @@ def test_defaults_are_the_documented_interface():
 
 
 @pytest.mark.unit
+def test_ddp_buckets_are_100_mib_on_gpus_unless_set():
+    """Issue 30: torch's 25 MiB cut gpt2's compiled graph into about 14 pieces on GPUs."""
+    t = composed().trainer
+    assert config.ddp_bucket_cap_mb(t, "cuda") == 100 and config.ddp_bucket_cap_mb(t, "cpu") == 25
+    t = composed("trainer.ddp_bucket_cap_mb=40").trainer
+    assert config.ddp_bucket_cap_mb(t, "cuda") == config.ddp_bucket_cap_mb(t, "cpu") == 40
+
+
+@pytest.mark.unit
 def test_a_key_added_outside_the_schema_is_refused_naming_the_closest_key():
     """Hydra's hint for a typo ("To append to your config use +trainer.max_stepz=1") would
     add a key nothing reads: the run would train silently with the default. Open dicts

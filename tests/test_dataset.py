@@ -88,6 +88,15 @@ def test_sampler_shards_disjointly_and_resumes_mid_epoch_even_with_another_world
         assert resumed <= remaining and len(remaining - resumed) < world
 
 
+def test_sampler_indices_are_its_order_as_one_tensor():
+    ds = WindowDataset(torch.zeros(2001, dtype=torch.uint8), block_size=10)
+    for world, rank, start in ((1, 0, 0), (2, 1, 60), (4, 3, 7)):
+        s = ResumableDistributedSampler(ds, num_replicas=world, rank=rank, seed=3)
+        s.set_epoch(4)
+        s.set_start(start)
+        assert s.indices().dtype == torch.long and s.indices().tolist() == list(s)
+
+
 def test_block_size_larger_than_a_split_is_refused():
     corpus = CharCorpus("abcdefghij" * 10, val_fraction=0.1)  # 10 validation characters
     corpus.check_block_size(9)

@@ -234,9 +234,29 @@ def test_progress_line_labels_both_mfus(caplog):
     log = MetricsLog(None, enabled=True, total_steps=10)
     log.interactive = False
     with caplog.at_level(logging.INFO, logger="mingpt_ddp.train"):
-        log.write({"step": 1, "epoch": 0, "train_loss": 2.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.45,
-                   "mfu_datasheet": 0.38, "includes_compile": True})
-    assert "(includes compiling) | MFU 45.0% of measured peak, 38.0% of datasheet peak" in caplog.text
+        log.write({"step": 1, "epoch": 0, "train_loss": 2.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.38,
+                   "mfu_measured": 0.45, "mfu_datasheet": 0.38, "includes_compile": True})
+        log.write({"step": 2, "epoch": 0, "train_loss": 2.0, "lr": 1e-3, "tokens_per_s": 1000.0, "mfu": 0.2,
+                   "mfu_measured": 0.2})
+    assert "(includes compiling) | MFU 38.0% of datasheet peak (45.0% of measured) |" in caplog.text
+    assert "tok/s | MFU 20.0% of measured peak |" in caplog.text
+
+
+@pytest.mark.unit
+def test_mfu_is_against_the_datasheet_peak_where_the_gpu_is_known(tmp_path, shakespeare):
+    """Issue 30: `mfu` is the figure nanoGPT and PaLM quote (the datasheet peak) where the GPU
+    is in the table; the measured-peak figure is `mfu_measured`. Elsewhere (CPUs, unknown GPUs)
+    `mfu` stays against the measured peak and there is no `mfu_datasheet`."""
+    import json
+    path = tmp_path / "metrics.jsonl"
+    trainer = make_trainer(shakespeare.read_text()[:20_000], str(path), max_steps=2, log_every=1)
+    trainer.peak_flops, trainer.datasheet_peak_flops = 1e15, 2e15  # as on a GPU whose cuBLAS reaches half its datasheet
+    trainer.fit()
+    trainer.metrics.close()
+    w = [json.loads(line) for line in path.read_text().splitlines() if "train_loss" in line][-1]
+    assert w["mfu"] == w["mfu_datasheet"] == pytest.approx(w["mfu_measured"] / 2)
+    assert w["mfu_measured"] == pytest.approx(trainer.flops_per_token * w["tokens_per_s"] / 1e15)
+    assert metrics.mfu_record(1e6, 1e3, 1e10, None, 1) == {"mfu": 0.1, "mfu_measured": 0.1}
 
 
 # ---- the bench: train timing, comm data, agreeing to stop waiting (issue 11 item 6) ------------

@@ -165,6 +165,16 @@ def test_bits_per_byte_weights_each_target_by_its_bytes_and_leaves_special_token
     assert math.isnan(bits_per_byte(1.0, 0))
 
 
+def test_window_loss_sums_needs_no_host_sync():
+    """Issue 30: an evaluation read the device once per batch (boolean indexing waits for its
+    output size). On the meta device, which has no values, any op whose shape or value the host
+    needs fails: the function must run there."""
+    logits = torch.empty(2, 5, 7, device="meta")
+    targets = torch.empty(2, 5, dtype=torch.long, device="meta")
+    sums = window_loss_sums(logits, targets, torch.empty(7, dtype=torch.int32, device="meta"))
+    assert sums.shape == (4,) and sums.dtype == torch.float64
+
+
 def test_for_ascii_characters_bits_per_byte_is_the_loss_in_bits(bpe):
     tok = tokenizer.CharTokenizer(Vocabulary.from_text("abc\n"))
     logits = torch.randn(2, 5, tok.size, generator=torch.Generator().manual_seed(0))

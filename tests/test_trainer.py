@@ -36,6 +36,18 @@ def first_batch(trainer):
     return next(trainer.step_batches())
 
 
+def test_an_epoch_s_order_is_not_built_one_python_int_at_a_time(text, monkeypatch):
+    """Issue 30: torch.tensor(list(sampler)) cost seconds and GBs per rank at 10-100M windows;
+    the epoch's order comes as one tensor, the same windows in the same order."""
+    from mingpt_ddp.char_dataset import ResumableDistributedSampler
+    trainer = make_trainer(text)
+    monkeypatch.setattr(ResumableDistributedSampler, "__iter__", lambda self: pytest.fail("iterated"))
+    x, _ = first_batch(trainer)[0]
+    monkeypatch.undo()
+    expected, _ = trainer.sampler.dataset.batch(torch.tensor(list(trainer.sampler)[:4]))
+    assert torch.equal(x, expected)
+
+
 def grad_norm_seen_by_optimizer(trainer):
     seen = []
 

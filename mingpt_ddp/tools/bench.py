@@ -72,7 +72,7 @@ from mingpt_ddp import config, distributed
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
-                                mfu)
+                                mfu, mfu_record)
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
 # The bench's own options (keys without a dot); everything else goes to Hydra.
@@ -412,11 +412,11 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         # raised to what the steps reached where they beat the start-up measurement (as the
         # trainer's log does): MFU never reads over 100%
         "peak_flops_per_process": peak, "peak_raised_to_reached": peak_raised,
-        "mfu": mfu(trainer.flops_per_token, tokens_per_s, peak, dist.world_size),
-        # the vendor's dense peak (known GPUs only): the MFU nanoGPT and PaLM quote
+        # the vendor's dense peak (known GPUs only): the MFU nanoGPT and PaLM quote, and then
+        # `mfu`'s too (metrics.mfu_record); `mfu_measured` against the measured peak
         "datasheet_peak_flops_per_process": trainer.datasheet_peak_flops,
-        "mfu_datasheet": (mfu(trainer.flops_per_token, tokens_per_s, trainer.datasheet_peak_flops, dist.world_size)
-                          if trainer.datasheet_peak_flops else None),
+        "mfu_datasheet": None,
+        **mfu_record(trainer.flops_per_token, tokens_per_s, peak, trainer.datasheet_peak_flops, dist.world_size),
         "strategy": trainer.strategy.name,
         # parameters, gradients and optimizer state: the largest rank's own (shards under
         # FSDP), and the whole model's (what every DDP rank holds)
@@ -811,7 +811,8 @@ def load_compute(path: str) -> dict[str, Any]:
     cfg = compose(train.get("overrides", []))
     step_ms = train.get("ms_per_step_median") or train["ms_per_step"]
     return {"step_ms": step_ms, "gradient_bytes": int(train["state_bytes_whole_model"]["gradients"]),
-            "bucket_bytes": int(cfg.trainer.ddp_bucket_cap_mb * 2**20), "parameters": train["parameters"],
+            "bucket_bytes": int(config.ddp_bucket_cap_mb(cfg.trainer, torch.device(train["env"].get("device", "cpu")).type) * 2**20),
+            "parameters": train["parameters"],
             "source": path}
 
 
@@ -989,7 +990,7 @@ def report(mode: str, result: dict[str, Any]) -> None:
             ["tokens/s", "tokens/s/proc", "ms/step", "wall-tokens/s", "median ms", "best-window ms", "MFU%(measured)",
              "MFU%(datasheet)", "FLOP/token", "measured TFLOP/s", "datasheet TFLOP/s", "peak mem MiB"],
             [[result["tokens_per_s"], result["tokens_per_s_per_process"], result["ms_per_step"], result["wall_tokens_per_s"],
-              result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu"],
+              result["ms_per_step_median"], result["ms_per_step_best_window"], 100 * result["mfu_measured"],
               100 * result["mfu_datasheet"] if result.get("mfu_datasheet") is not None else None,
               result["flops_per_token"], result["peak_flops_per_process"] / 1e12,
               (result["datasheet_peak_flops_per_process"] or 0) / 1e12 or None,
@@ -998,7 +999,8 @@ def report(mode: str, result: dict[str, Any]) -> None:
         best = result["tokens_per_s_best_window"]
         if best:
             print(f"best window of {max(1, result['steps'] // 5)} steps: {best:,.0f} tokens/s, MFU "
-                  f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%")
+                  f"{100 * mfu(result['flops_per_token'], best, result['peak_flops_per_process'], env['world_size']):.1f}%"
+                  " of the measured peak")
         if result.get("peak_raised_to_reached"):
             print("# the steps beat the start-up peak measurement (others' load held it down): MFU is quoted "
                   "against the rate reached")
