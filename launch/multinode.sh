@@ -15,13 +15,14 @@
 # Settings (environment variables; defaults in brackets):
 #   NNODES          nodes in the job, or MIN:MAX for an elastic job [Slurm: the job's node
 #                   count; otherwise 1]
-#   NPROC_PER_NODE  workers on this node [the GPUs this node may use (CUDA_VISIBLE_DEVICES,
-#                   else `nvidia-smi -L`); with no GPU: 1]. Set it to use fewer GPUs, or
-#                   several CPU workers.
-#   DEVICE          auto / gpu / cpu [auto: the GPUs this job sees, else CPU workers; but a
-#                   node with GPUs of which the job sees none is refused (a Slurm job that
-#                   asked for no GPU), one line]. gpu: refuse without GPUs. cpu: train on
-#                   CPUs on purpose (the workers see no GPU).
+#   NPROC_PER_NODE  workers on this node [the GPUs the workers' torch can use
+#                   (`python -m mingpt_ddp.devices`); with no GPU: 1]. Set it to use fewer
+#                   GPUs, or several CPU workers.
+#   DEVICE          auto / gpu / cpu [auto: the GPUs torch sees, else CPU workers; but a node
+#                   whose GPUs torch cannot use is refused in one line naming the likely cause
+#                   (a torch built without CUDA, a driver older than its CUDA, a Slurm job or
+#                   container given none of them)]. gpu: refuse without GPUs. cpu: train on
+#                   CPUs on purpose (the workers see no GPU: CUDA_VISIBLE_DEVICES is set empty).
 #   GPU_INVENTORY   directory listing the node's GPUs, one entry each, whatever the job may
 #                   use [/proc/driver/nvidia/gpus; under Slurm, else the node's Gres]
 #   HEAD_NODE       address or name of the node that hosts the rendezvous [Slurm: the first
@@ -140,16 +141,6 @@ MAX_RESTARTS=${MAX_RESTARTS:-3}
 [[ $RDZV_TIMEOUT =~ ^[0-9]+$ ]] || die "RDZV_TIMEOUT=$RDZV_TIMEOUT: give whole seconds"
 [[ $MAX_RESTARTS =~ ^[0-9]+$ ]] || die "MAX_RESTARTS=$MAX_RESTARTS: give a whole number"
 
-count_gpus() {
-  local v=${CUDA_VISIBLE_DEVICES-unset}
-  if [ "$v" != unset ]; then
-    case "$v" in ""|NoDevFiles|-1) echo 0 ;; *) echo "$v" | tr ',' '\n' | grep -c . ;; esac
-  elif command -v nvidia-smi >/dev/null 2>&1; then
-    nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true
-  else
-    echo 0
-  fi
-}
 # The node's GPUs, whatever this job may use: the NVIDIA driver lists each one in
 # GPU_INVENTORY (cgroups and CUDA_VISIBLE_DEVICES do not hide them there); Slurm's node
 # record (Gres=gpu:...) where the driver's list cannot be read.
@@ -167,18 +158,29 @@ node_gpus() {
 DEVICE=${DEVICE:-auto}
 case "$DEVICE" in
   auto|gpu) ;;
-  cpu) export CUDA_VISIBLE_DEVICES="" ;;  # on purpose: the workers see no GPU
+  cpu) export CUDA_VISIBLE_DEVICES="" ;;  # on purpose: the workers see no GPU (and the trainer knows it was asked for)
   *) die "DEVICE=$DEVICE: give auto (GPUs when the job has them), gpu or cpu" ;;
 esac
-gpus=$(count_gpus)
-if ((gpus == 0)) && [ "$DEVICE" != cpu ]; then
-  # A job that was given none of its node's GPUs (Slurm with cgroup device isolation, and no
-  # GPU request) would otherwise train on one CPU worker without a word.
+# The GPUs the workers' torch can use, asked of that torch (mingpt_ddp/tools/devices.py), not
+# counted from nvidia-smi or CUDA_VISIBLE_DEVICES: where torch cannot use the node's GPUs (built
+# without CUDA, a driver older than its CUDA, a job or container given none of them) those would
+# be as many CPU workers. There it stops in the trainer's own line, unless DEVICE=cpu. Asked only
+# where GPUs may be (a listed or requested GPU, nvidia-smi): importing torch takes seconds.
+gpus=0
+if [ "$DEVICE" != cpu ]; then
   inventory=$(node_gpus)
-  if ((inventory > 0)); then
-    die "node ${SLURMD_NODENAME:-$host} has $inventory GPU(s) but this job sees none (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}): it would train on CPU. Ask for them (sbatch or srun --gpus-per-node=$inventory; an --exclusive job's step gets them only when it asks, as train.sbatch does), or set DEVICE=cpu to train on CPUs on purpose"
-  elif [ "$DEVICE" = gpu ]; then
-    die "DEVICE=gpu but no GPU is visible on ${SLURMD_NODENAME:-$host} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, nvidia-smi -L lists none)"
+  if ((inventory > 0)) || [ "$DEVICE" = gpu ] || [ -n "${CUDA_VISIBLE_DEVICES:-}" ] || command -v nvidia-smi >/dev/null 2>&1; then
+    devices_err=$(mktemp)
+    if ! gpus=$("$PYTHON" -W ignore -m mingpt_ddp.devices "$inventory" 2>"$devices_err"); then
+      reason=$(grep '^error: ' "$devices_err" | tail -n 1 || true)
+      [ -n "$reason" ] || reason="error: cannot ask $PYTHON's torch for the GPUs: $(tail -n 1 "$devices_err")"
+      rm -f "$devices_err"
+      die "${reason#error: }"
+    fi
+    rm -f "$devices_err"
+  fi
+  if ((gpus == 0)) && [ "$DEVICE" = gpu ]; then
+    die "DEVICE=gpu but torch sees no GPU on ${SLURMD_NODENAME:-$host} (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES-unset}, $inventory listed by the driver)"
   fi
 fi
 if [ -n "${NPROC_PER_NODE:-}" ]; then

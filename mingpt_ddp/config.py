@@ -63,6 +63,14 @@ class TokenizerKind(str, Enum):
     gpt2 = "gpt2"  # GPT-2's 50,257-token BPE (tiktoken)
 
 
+class Device(str, Enum):
+    """Where a rank trains (distributed.pick_device)."""
+
+    auto = "auto"  # its GPU where torch sees one; CPU on a node without GPUs; refused on a node whose GPUs torch cannot use
+    cuda = "cuda"  # its GPU, else refused
+    cpu = "cpu"  # CPU with gloo, on purpose, whatever the node has
+
+
 class Strategy(str, Enum):
     """How the model is spread over the ranks (parallel.py)."""
 
@@ -136,6 +144,7 @@ class TrainerConfig:
     grad_accum_steps: int = 1
     precision: Precision = Precision.auto
     strategy: Strategy = Strategy.ddp
+    device: Device = Device.auto
     grad_clip: float = 1.0
     eval_every: int = 250
     # Validation batches per rank in a periodic evaluation (the first ones of the split):
@@ -579,6 +588,11 @@ def collective_timeout_minutes(t: Any) -> float:
         raise ConfigError(f"trainer.collective_timeout_minutes={t.collective_timeout_minutes} must be positive: "
                           f"how long a collective waits for the other ranks, e.g. {DEFAULT_COLLECTIVE_TIMEOUT_MINUTES:g}")
     return float(t.collective_timeout_minutes)
+
+
+def device_setting(t: Any) -> str:
+    """trainer.device as a plain string (auto, cuda or cpu)."""
+    return str(getattr(t.device, "value", t.device))
 
 
 def rank0_wait_minutes(t: Any) -> float:

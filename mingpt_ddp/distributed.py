@@ -22,7 +22,7 @@ import torch
 import torch.distributed as torch_dist
 
 from mingpt_ddp.config import DEFAULT_COLLECTIVE_TIMEOUT_MINUTES, RANK0_WAIT_MARGIN_MINUTES
-from mingpt_ddp.errors import RunError, UserFacingError, by_name
+from mingpt_ddp.errors import ConfigError, RunError, UserFacingError, by_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -121,6 +121,10 @@ def node_id() -> str:
         return f"torchrun-agent-{os.environ['GROUP_RANK']}"
     if os.environ.get("SLURM_NODEID", "") != "" and "SLURM_PROCID" in os.environ:
         return f"slurm-node-{os.environ['SLURM_NODEID']}"
+    return _host_and_boot()
+
+
+def _host_and_boot() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -129,15 +133,106 @@ def node_id() -> str:
     return f"{os.uname().nodename}/{boot}"
 
 
-def pick_device(local_rank: int) -> tuple[torch.device, str]:
-    """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with gloo.
+# Where the NVIDIA driver lists the node's GPUs, one entry each, whatever this process may use
+# (CUDA_VISIBLE_DEVICES and cgroups do not hide them there; a container's NVIDIA runtime shows
+# the GPUs it was given). GPU_INVENTORY points elsewhere (tests; launch/multinode.sh reads it too).
+GPU_INVENTORY = "/proc/driver/nvidia/gpus"
+DEVICES = ("auto", "cuda", "cpu")  # trainer.device
+
+
+def node_gpus(env: Mapping[str, str] = os.environ) -> int:
+    """The GPUs the NVIDIA driver lists on this node (0 without a driver or its listing)."""
+    try:
+        return len(os.listdir(env.get("GPU_INVENTORY") or GPU_INVENTORY))
+    except OSError:
+        return 0
+
+
+def cpu_asked_for(device: str, env: Mapping[str, str] = os.environ) -> bool:
+    """CPU on purpose: trainer.device=cpu, or CUDA_VISIBLE_DEVICES set empty (or -1), as
+    launch/multinode.sh's DEVICE=cpu does."""
+    return device == "cpu" or env.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+
+
+def cuda_init_error() -> str:
+    """The first line of why CUDA cannot start in this process ("" if it can): torch's own
+    reason, which torch.cuda.is_available() only logs as a warning once."""
+    try:
+        torch.cuda.init()
+    except Exception as exc:  # AssertionError without CUDA, RuntimeError from the driver
+        return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return ""
+
+
+def why_no_gpu(listed: int, torch_version: str, cuda_version: Optional[str], init_error: str,
+               visible: Optional[str]) -> str:
+    """The likely cause, and its fix, of a torch that sees none of the node's `listed` GPUs.
+
+    From torch's reasons (c10/cuda/CUDAFunctions.cpp device_count_impl): "Found no NVIDIA
+    driver" (the process has no libcuda: a container started without the NVIDIA runtime),
+    "driver ... too old" (cudaErrorInsufficientDriver), "No CUDA GPUs are available"
+    (cudaErrorNoDevice: none given to this job or container, or hidden)."""
+    if cuda_version is None:
+        return (f"this torch ({torch_version}) is built without CUDA: install a CUDA build of torch (the one "
+                "the tests run, e.g. pip install torch --index-url https://download.pytorch.org/whl/cu128) "
+                "or run in the image that has one")
+    if "too old" in init_error or "insufficient" in init_error.lower():
+        return (f"the NVIDIA driver is older than this torch's CUDA {cuda_version} needs ({init_error.split('. ')[0]}): "
+                "install a torch built for the driver's CUDA (`nvidia-smi` shows it) or update the driver")
+    if visible is not None and visible not in ("", "-1"):
+        hidden = f"CUDA_VISIBLE_DEVICES={visible} names none of them, or "
+    else:
+        hidden = ""
+    if "no NVIDIA driver" in init_error:
+        return (f"this process has no NVIDIA driver library ({init_error.split('. ')[0]}): {hidden}the container was "
+                "started without GPUs (docker run --gpus all; enroot/Pyxis with the NVIDIA hook)")
+    return (f"CUDA {cuda_version} cannot use them ({init_error or 'no device'}): {hidden}this job or container was given "
+            f"none of them (Slurm: --gpus-per-node={listed}; docker run --gpus all)")
+
+
+def gpu_problem(device: str, env: Mapping[str, str] = os.environ, listed: Optional[int] = None) -> Optional[str]:
+    """Why this process must not train on CPU though torch sees no GPU, else None: the node
+    has GPUs (or trainer.device=cuda asked for one) and CPU was not asked for. On such a
+    node a CPU rank would train gpt2 on CPUs, or mix gloo with the NCCL of other nodes."""
+    if cpu_asked_for(device, env):
+        return None
+    listed = node_gpus(env) if listed is None else listed
+    if not listed and device != "cuda":
+        return None
+    host = env.get("SLURMD_NODENAME") or os.uname().nodename
+    what = f"node {host} has {listed} GPU(s) but torch sees none" if listed else f"trainer.device=cuda but torch on {host} sees no GPU"
+    cause = why_no_gpu(listed, torch.__version__, torch.version.cuda or torch.version.hip, cuda_init_error(),
+                       env.get("CUDA_VISIBLE_DEVICES"))
+    return (f"{what}: {cause}; to train on CPUs on purpose: trainer.device=cpu, or CUDA_VISIBLE_DEVICES= "
+            "(launch/multinode.sh: DEVICE=cpu)")
+
+
+def pick_device(local_rank: int, local_world_size: int = 1, device: str = "auto",
+                env: Mapping[str, str] = os.environ) -> tuple[torch.device, str]:
+    """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with
+    gloo; a ConfigError where that CPU was not asked for on a node with GPUs (gpu_problem), or
+    where this node's processes outnumber the GPUs they all see.
 
     The modulo covers both launch styles: torchrun (each worker sees all of the node's GPUs,
     LOCAL_RANK picks one) and srun with --gpus-per-task=1 or GPU binding (each task sees only
-    its own GPU, as cuda:0, while SLURM_LOCALID still counts up to 7).
+    its own GPU, as cuda:0, while SLURM_LOCALID still counts up to 7). Under torchrun more
+    workers than GPUs would put two ranks on one GPU, which NCCL refuses at its first
+    collective ("Duplicate GPU detected", ncclInvalidUsage); across launch styles setup()
+    compares the GPUs themselves. NCCL_HOSTID set: the user makes NCCL tell the processes apart.
     """
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
+    if device != "cpu" and torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_world_size > count and not _launched_per_slurm_task(env) and "NCCL_HOSTID" not in env:
+            raise ConfigError(
+                f"{local_world_size} processes on this node for {count} GPU(s) (LOCAL_WORLD_SIZE={local_world_size}, "
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): two ranks would share a GPU, which "
+                f"NCCL refuses (\"Duplicate GPU detected\"); start one process per GPU (torchrun "
+                f"--nproc_per_node={count}; launch/multinode.sh: NPROC_PER_NODE unset), or trainer.device=cpu for "
+                "CPU processes")
+        return torch.device("cuda", local_rank % count), "nccl"
+    problem = gpu_problem(device, env)
+    if problem:
+        raise ConfigError(problem)
     return torch.device("cpu"), "gloo"
 
 
@@ -199,10 +294,12 @@ def process_group_options(device: torch.device) -> dict[str, Any]:
 
 
 def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
-          rank0_wait_minutes: Optional[float] = None) -> DistEnv:
-    """Pick the device, size the CPU thread pool and join the process group, whose
-    collectives (and the rendezvous) give up after `timeout_minutes`. Waits for work only
-    rank 0 does (wait_for_main) give up after `rank0_wait_minutes`.
+          rank0_wait_minutes: Optional[float] = None, device: str = "auto") -> DistEnv:
+    """Pick the device (`device`: trainer.device, auto/cuda/cpu), size the CPU thread pool
+    and join the process group, whose collectives (and the rendezvous) give up after
+    `timeout_minutes`. Waits for work only rank 0 does (wait_for_main) give up after
+    `rank0_wait_minutes`. Every rank raises the same ConfigError when any rank cannot take
+    its device, or when the ranks' devices cannot form one group (agree_on_device).
 
     Once per process: the sweep points of a multirun reuse the same process group, which
     is torn down when the process exits.
@@ -213,24 +310,109 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     if _current is not None:
         return _current
     rank, local_rank, world_size, local_world_size = read_topology()
-    device, backend = pick_device(local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device_, backend, problem = torch.device("cpu"), "", None
+    try:
+        device_, backend = pick_device(local_rank, local_world_size, device)
+    except ConfigError as exc:
+        if world_size == 1:
+            raise
+        problem = str(exc)
+    if device_.type == "cuda":
+        torch.cuda.set_device(device_)
     else:
         torch.set_num_threads(cpu_threads_per_process(local_world_size))
     # Every process says it (before rank 0 alone speaks): oversubscribed cores show up here.
-    log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size, device,
-             torch.get_num_threads())
+    log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size,
+             device_ if problem is None else "no usable device", torch.get_num_threads())
     if world_size > 1 and not torch_dist.is_initialized():
         timeout = _collective_timeout = datetime.timedelta(minutes=timeout_minutes)
         _store = _process_group_store(rank, world_size, timeout)
+        agree_on_device(_store, rank, world_size, backend, problem, _gpu_identity(device_),
+                        f"rank {rank} on {os.environ.get('SLURMD_NODENAME') or os.uname().nodename} ({device_})",
+                        timeout.total_seconds())
         torch_dist.init_process_group(
             backend, store=_store, rank=rank, world_size=world_size, timeout=timeout,
-            **process_group_options(device),
+            **process_group_options(device_),
         )
         atexit.register(teardown)
-    _current = DistEnv(rank, local_rank, world_size, local_world_size, device, backend)
+    _current = DistEnv(rank, local_rank, world_size, local_world_size, device_, backend)
     return _current
+
+
+def _gpu_identity(device: torch.device) -> Optional[str]:
+    """This rank's GPU as NCCL tells ranks apart: the host (NCCL's host hash: its name and
+    boot, or NCCL_HOSTID) and the device itself (its UUID, whatever CUDA_VISIBLE_DEVICES calls it)."""
+    if device.type != "cuda":
+        return None
+    try:
+        gpu = str(torch.cuda.get_device_properties(device).uuid)
+    except (AttributeError, RuntimeError):
+        gpu = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}#{device.index}"
+    return f"{os.environ.get('NCCL_HOSTID') or _host_and_boot()}/{gpu}"
+
+
+def agree_on_device(store: Any, rank: int, world_size: int, backend: str, problem: Optional[str],
+                    gpu: Optional[str], where: str, timeout_s: float) -> None:
+    """Before the process group: every rank raises the same ConfigError when any rank could
+    not take its device (`problem`), when some ranks would join with gloo and others with
+    NCCL (they would wait for each other until the timeout, then look like a lost peer), or
+    when two ranks of one host use the same GPU (`gpu`: NCCL refuses that, "Duplicate GPU
+    detected"). In the rendezvous store, a few operations per rank; `where` names this rank."""
+    key = "mingpt_ddp/device/"
+    if problem is not None:
+        store.append(key + "problem_ranks", f"{rank} ")
+        if store.add(key + "problems", 1) == 1:
+            store.set(key + "problem", problem)
+    else:
+        if store.add(f"{key}backend/{backend}", 1) == 1:
+            store.set(f"{key}backend/{backend}/first", where)
+        if gpu is not None:
+            gpu_key = key + "gpu/" + hashlib.sha256(gpu.encode()).hexdigest()[:32]
+            if store.add(gpu_key, 1) == 1:
+                store.set(gpu_key + "/first", where)
+            elif store.add(key + "shared", 1) == 1:
+                store.set(key + "shared_by", where)
+                store.set(key + "shared_gpu", gpu_key)
+    if store.add(key + "arrived", 1) == world_size:
+        store.set(key + "done", "1")
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while not store.check([key + "done"]):
+        if time.monotonic() >= deadline:
+            raise LostPeers(f"waited {timeout_s / 60:g} minutes for the other ranks to pick their devices: a rank "
+                            "did not start or its node has gone; run the same command to resume")
+        time.sleep(delay)
+        delay = min(2 * delay, 0.5)
+    error = _device_disagreement(store, key, world_size)
+    if error is not None:
+        # Every rank has read it before rank 0 goes on to exit (it may host the store).
+        store.add(key + "read", 1)
+        deadline = time.monotonic() + 10.0
+        while rank == 0 and time.monotonic() < deadline and store.add(key + "read", 0) < world_size:
+            time.sleep(0.05)
+        raise ConfigError(error)
+
+
+def _device_disagreement(store: Any, key: str, world_size: int) -> Optional[str]:
+    """agree_on_device's verdict, read from the store once every rank has voted."""
+    if store.add(key + "problems", 0):
+        ranks = store.get(key + "problem_ranks").decode().split()
+        message = store.get(key + "problem").decode()
+        if len(ranks) == world_size:
+            return message
+        return f"on rank(s) {', '.join(sorted(ranks, key=int))} of {world_size}: {message}"
+    backends = {b: store.add(f"{key}backend/{b}", 0) for b in ("gloo", "nccl")}
+    if all(backends.values()):
+        return (f"the ranks disagree on their device: {backends['gloo']} would train on CPU with gloo (first: "
+                f"{store.get(key + 'backend/gloo/first').decode()}) and {backends['nccl']} on GPUs with NCCL (first: "
+                f"{store.get(key + 'backend/nccl/first').decode()}), which cannot form one process group: give "
+                "every node GPUs that torch can use, or set trainer.device=cpu on all of them")
+    if store.add(key + "shared", 0):
+        first = store.get(store.get(key + "shared_gpu").decode() + "/first").decode()
+        return (f"{store.get(key + 'shared_by').decode()} uses the same GPU as {first}: NCCL refuses two ranks on "
+                "one GPU (\"Duplicate GPU detected\"); start one process per GPU (Slurm: --gpus-per-task=1, or as "
+                "many tasks per node as GPUs), or trainer.device=cpu for CPU processes")
+    return None
 
 
 def first_to_report(message: str, context: str = "", wait_s: float = 5.0, rank0_grace_s: float = 2.0) -> bool:
@@ -299,11 +481,36 @@ def communication_failure(exc: BaseException) -> Optional[str]:
     text = str(exc).strip()
     if not (isinstance(exc, torch_dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in text)):
         return None
+    if any(code in text for code in NCCL_NOT_A_LOST_PEER):
+        return None  # this rank's own failure: nccl_refused, or a bug / a GPU fault with its traceback
     first = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(exc).__name__)  # "[file.cc:553] "
     first = first.split(". ")[0].rstrip(".")
     return (f"lost contact with the other ranks: {first}. A node left the job or the network between the nodes "
             "failed; restarted (torchrun --max-restarts, a Slurm requeue, or by hand) the job resumes from its "
             "newest snapshot")
+
+
+# NCCL's errors that no peer caused (torch's getNcclErrorDetailStr names the code in the
+# DistBackendError's text: "NCCL error in: ...\nncclInvalidUsage: ...\nLast error:\n..."):
+# invalid usage or arguments (two ranks on one GPU, a network plugin NCCL_NET names that is not
+# there), and a CUDA call that failed on this rank. ncclRemoteError and ncclSystemError (a
+# peer that exited, a socket that failed) stay lost peers.
+NCCL_NOT_A_LOST_PEER = ("ncclInvalidUsage", "ncclInvalidArgument", "ncclUnhandledCudaError")
+NCCL_USAGE_ERRORS = ("ncclInvalidUsage", "ncclInvalidArgument")
+
+
+def nccl_refused(exc: BaseException) -> Optional[str]:
+    """One line for NCCL refusing this job's setup (ncclInvalidUsage, ncclInvalidArgument):
+    a ConfigError, as running it again would fail the same way; None for anything else."""
+    text = str(exc)
+    code = next((c for c in NCCL_USAGE_ERRORS if c in text), None)
+    if code is None or not isinstance(exc, torch_dist.DistError):
+        return None
+    _, _, last = text.partition("Last error:")
+    detail = next((line.strip() for line in last.splitlines() if line.strip()), "")
+    return (f"NCCL refused this job's setup ({code}{': ' + detail if detail else ''}): two ranks on one GPU (one "
+            "process per GPU), or an NCCL_* setting (NCCL_NET, NCCL_SOCKET_IFNAME) naming what this node lacks; "
+            "NCCL_DEBUG=WARN says more")
 
 
 def release_cached_memory() -> None:

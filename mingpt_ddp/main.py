@@ -683,7 +683,8 @@ def main(cfg: DictConfig) -> Optional[float]:
         if warning and _points_run <= 1 and _launch_rank() == "0":
             log.warning(warning)
         config.check_resolves(cfg.trainer)  # its timeouts are read before validate()
-        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer))
+        dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer),
+                                 config.device_setting(cfg.trainer))
         _quiet_other_ranks(dist)
         run_dir = _agreed_run_dir(dist)
         # One live run per run directory: a single run's rank 0 took it before Hydra wrote
@@ -706,6 +707,11 @@ def main(cfg: DictConfig) -> Optional[float]:
         run_dir = HydraConfig.get().runtime.output_dir
         _failed_points[str(HydraConfig.get().job.num)] = errors.class_of(exc)
     except Exception as exc:
+        refused = distributed.nccl_refused(exc)
+        if refused is not None:  # bad input NCCL found (two ranks on one GPU): a ConfigError, never requeued
+            errors.record(ConfigError, refused)
+            _report_error(refused)
+            sys.exit(ConfigError.exit_code)
         lost = distributed.communication_failure(exc)
         if lost is None:
             errors.record_crash()  # launch/train.sbatch: a crash recurs, requeued only after progress

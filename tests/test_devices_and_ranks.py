@@ -4,14 +4,16 @@ environments, and real torchrun workers with gloo where processes have to take p
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import sys
 import textwrap
 import time
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, TORCHRUN, output, run_cli
+from conftest import MAIN, REPO, TINY, TORCHRUN, output, run_cli
 from mingpt_ddp import config, distributed, metrics, precision
 from mingpt_ddp.errors import ConfigError
 
@@ -28,6 +30,182 @@ def test_device_is_local_rank_modulo_visible_gpus(monkeypatch, visible, local_ra
     monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
     device, backend = distributed.pick_device(local_rank)
     assert device == torch.device("cuda", expected) and device.index == expected and backend == "nccl"
+
+
+def gpu_listing(root, count):
+    """A fake of the NVIDIA driver's list of the node's GPUs (/proc/driver/nvidia/gpus)."""
+    root.mkdir()
+    for i in range(count):
+        (root / f"0000:{i + 0x18:02x}:00.0").mkdir()
+    return str(root)
+
+
+@pytest.mark.unit
+def test_a_node_with_gpus_that_torch_cannot_use_is_refused_unless_cpu_was_asked_for(tmp_path):
+    """This venv's torch is built without CUDA: on a node whose driver lists GPUs it must not
+    train on CPU without a word (it would be gpt2 on CPUs, or gloo beside other nodes' NCCL)."""
+    listed = {"GPU_INVENTORY": gpu_listing(tmp_path / "gpus", 2), "SLURMD_NODENAME": "gpu-7"}
+    with pytest.raises(ConfigError, match=r"^node gpu-7 has 2 GPU\(s\) but torch sees none: this torch \(\S+\) is "
+                                          r"built without CUDA: install a CUDA build.*trainer.device=cpu"):
+        distributed.pick_device(0, 1, "auto", listed)
+    for asked in ({"device": "cpu", "env": listed},  # trainer.device=cpu
+                  {"device": "auto", "env": {**listed, "CUDA_VISIBLE_DEVICES": ""}},  # multinode.sh DEVICE=cpu
+                  {"device": "auto", "env": {"GPU_INVENTORY": str(tmp_path / "none")}}):  # a node without GPUs
+        assert distributed.pick_device(0, 1, **asked) == (torch.device("cpu"), "gloo"), asked
+    with pytest.raises(ConfigError, match="trainer.device=cuda but torch on .* sees no GPU"):
+        distributed.pick_device(0, 1, "cuda", {"GPU_INVENTORY": str(tmp_path / "none")})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("cuda, init_error, visible, cause", [
+    (None, "Torch not compiled with CUDA enabled", None, "this torch (2.13.0+cpu) is built without CUDA"),
+    ("13.0", "The NVIDIA driver on your system is too old (found version 12080). Please update", None,
+     "the NVIDIA driver is older than this torch's CUDA 13.0 needs (The NVIDIA driver on your system is too old "
+     "(found version 12080)): install a torch built for the driver's CUDA"),
+    ("12.8", "Found no NVIDIA driver on your system. Please check", None,
+     "this process has no NVIDIA driver library (Found no NVIDIA driver on your system): the container was started "
+     "without GPUs (docker run --gpus all"),
+    ("12.8", "No CUDA GPUs are available", None,
+     "CUDA 12.8 cannot use them (No CUDA GPUs are available): this job or container was given none of them (Slurm: "
+     "--gpus-per-node=8"),
+    ("12.8", "No CUDA GPUs are available", "NoDevFiles", "CUDA_VISIBLE_DEVICES=NoDevFiles names none of them, or"),
+])
+def test_the_refusal_names_the_likely_cause(cuda, init_error, visible, cause):
+    """torch's own reasons (c10/cuda/CUDAFunctions.cpp), turned into a cause and its fix."""
+    assert cause in distributed.why_no_gpu(8, "2.13.0+cpu", cuda, init_error, visible)
+
+
+@pytest.mark.unit
+def test_more_local_processes_than_gpus_are_refused_before_nccl(monkeypatch):
+    """`torchrun --nproc_per_node=2` on a one-GPU host put both ranks on cuda:0, which NCCL
+    refuses ("Duplicate GPU detected"). srun's per-task GPUs (each task sees its own as
+    cuda:0) and NCCL_HOSTID (NCCL told the processes apart on purpose) still work."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match=r"^2 processes on this node for 1 GPU\(s\) .*--nproc_per_node=1"):
+        distributed.pick_device(1, 2, "auto", {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"})
+    per_task = {"SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_STEP_ID": "0"}
+    assert distributed.pick_device(5, 8, "auto", per_task) == (torch.device("cuda", 0), "nccl")
+    assert distributed.pick_device(1, 2, "auto", {"NCCL_HOSTID": "r1"}) == (torch.device("cuda", 0), "nccl")
+    assert distributed.pick_device(1, 2, "cpu", {}) == (torch.device("cpu"), "gloo")
+
+
+@pytest.mark.unit
+def test_preflight_fails_a_node_whose_gpus_torch_cannot_use(tmp_path, monkeypatch):
+    """Pre-flight compared only nodes that see GPUs: a job of such nodes passed, to train on CPUs."""
+    from mingpt_ddp.tools import preflight
+
+    monkeypatch.setenv("GPU_INVENTORY", gpu_listing(tmp_path / "gpus", 8))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    broken = preflight.node_facts(1, {})
+    assert broken["gpus"] == 0 and "has 8 GPU(s) but torch sees none: this torch" in broken["gpu_problem"], broken
+    healthy = {**broken, "host": "n0", "gpu_problem": None}
+    assert preflight.check_nodes([healthy, healthy]) is None
+    assert preflight.check_nodes([healthy, broken]) == broken["gpu_problem"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # launch/multinode.sh DEVICE=cpu
+    assert preflight.node_facts(1, {})["gpu_problem"] is None
+
+
+RANK_1_ON_A_GPU_NODE = textwrap.dedent("""
+    import os, sys
+    if os.environ["RANK"] == "1":  # this rank's node lists GPUs (a fake of the driver's list)
+        os.environ["GPU_INVENTORY"] = sys.argv[1]
+    os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+""")
+
+
+@pytest.mark.dist
+def test_a_rank_on_a_node_whose_gpus_torch_cannot_use_stops_every_rank_in_one_line(tmp_path, small_corpus):
+    """Rank 1's node lists 2 GPUs that this (CPU-only) torch cannot use; rank 0's lists none.
+    Before, both trained on CPU without a word (on real nodes: gloo beside NCCL, a hang until
+    the timeout, reported as a lost peer and requeued). Now every rank stops at once, one line
+    naming the rank, node and cause, exit 2 (a ConfigError: never requeued)."""
+    wrapper = tmp_path / "rank_1_on_a_gpu_node.py"
+    wrapper.write_text(RANK_1_ON_A_GPU_NODE)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "mingpt_ddp.torchrun", "--standalone", "--nproc_per_node=2", "--max-restarts=0",
+         str(wrapper), gpu_listing(tmp_path / "gpus", 2), MAIN, *TINY, f"hydra.run.dir={tmp_path / 'run'}",
+         f"data.path={small_corpus}", "trainer.max_steps=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    text = output(proc)
+    lines = [line for line in text.splitlines() if line.startswith(("error:", "[rank 1] error:"))]
+    assert proc.returncode == 2 and "Traceback" not in text and "done:" not in text, text
+    assert len(lines) == 1 and re.match(r"(\[rank 1\] )?error: on rank\(s\) 1 of 2: node \S+ has 2 GPU\(s\) but torch "
+                                        r"sees none: this torch \(\S+\) is built without CUDA", lines[0]), text
+    assert time.monotonic() - start < 60
+
+
+def agree(votes):
+    """agree_on_device on one real store, each vote (backend, problem, gpu) a rank in its thread;
+    what each rank raised, or None."""
+    import threading
+
+    store, raised = torch.distributed.HashStore(), [None] * len(votes)
+
+    def rank(r, backend, problem, gpu):
+        try:
+            distributed.agree_on_device(store, r, len(votes), backend, problem, gpu, f"rank {r} on n{r // 2}", 30)
+        except Exception as exc:  # noqa: BLE001
+            raised[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r, *vote)) for r, vote in enumerate(votes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return raised
+
+
+@pytest.mark.unit
+def test_the_ranks_agree_on_their_devices_before_the_process_group():
+    """Every rank raises the same ConfigError (no rank waits for the others until the timeout,
+    then reports a lost peer): a rank that could not take its device, CPU ranks beside GPU
+    ranks (gloo and NCCL cannot form one group), two ranks of one host on one GPU."""
+    assert agree([("nccl", None, "h0/GPU-a"), ("nccl", None, "h0/GPU-b"), ("nccl", None, "h1/GPU-a")]) == [None] * 3
+    assert agree([("gloo", None, None)] * 2) == [None] * 2
+
+    raised = agree([("nccl", None, "h0/GPU-a"), ("", "node n0 has 8 GPU(s) but torch sees none: x", None),
+                    ("nccl", None, "h1/GPU-a")])
+    assert all(isinstance(e, ConfigError) for e in raised), raised
+    assert {str(e) for e in raised} == {"on rank(s) 1 of 3: node n0 has 8 GPU(s) but torch sees none: x"}
+
+    raised = agree([("nccl", None, "h0/GPU-a"), ("nccl", None, "h0/GPU-b"), ("gloo", None, None), ("gloo", None, None)])
+    assert all(isinstance(e, ConfigError) for e in raised) and len({str(e) for e in raised}) == 1, raised
+    assert str(raised[0]).startswith("the ranks disagree on their device: 2 would train on CPU with gloo (first: rank "), raised
+
+    raised = agree([("nccl", None, "h0/GPU-a"), ("nccl", None, "h0/GPU-a")])
+    assert all(isinstance(e, ConfigError) for e in raised) and len({str(e) for e in raised}) == 1, raised
+    assert "uses the same GPU as rank" in str(raised[0]) and "Duplicate GPU detected" in str(raised[0]), raised
+
+
+NCCL_ERROR = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, {what}, NCCL version "
+              "2.27.5\n{code}: {detail}\nLast error:\n{last}")
+
+
+@pytest.mark.unit
+def test_an_nccl_usage_error_is_a_config_error_not_a_lost_peer():
+    """The text of torch's DistBackendError (NCCLUtils.hpp C10D_NCCL_CHECK, getNcclErrorDetailStr):
+    two ranks on one GPU was reworded as "a node left the job", exit 3, and requeued."""
+    duplicate = torch.distributed.DistBackendError(NCCL_ERROR.format(
+        what="invalid usage (run with NCCL_DEBUG=WARN for details)", code="ncclInvalidUsage",
+        detail="This usually reflects invalid usage of NCCL library.",
+        last="Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000"))
+    assert distributed.communication_failure(duplicate) is None
+    assert distributed.nccl_refused(duplicate).startswith(
+        "NCCL refused this job's setup (ncclInvalidUsage: Duplicate GPU detected : rank 1 and rank 0 both on CUDA "
+        "device 1a000): two ranks on one GPU")
+    cuda = torch.distributed.DistBackendError(NCCL_ERROR.format(
+        what="unhandled cuda error", code="ncclUnhandledCudaError", detail="Call to CUDA function failed.",
+        last="Cuda failure 'out of memory'"))
+    assert distributed.communication_failure(cuda) is None and distributed.nccl_refused(cuda) is None  # a traceback
+    remote = torch.distributed.DistBackendError(NCCL_ERROR.format(
+        what="remote process exited or there was a network error", code="ncclRemoteError",
+        detail="A call failed possibly due to a network error or a remote process exiting prematurely.",
+        last="socketProgress: Connection closed by remote peer"))
+    assert distributed.nccl_refused(remote) is None
+    assert distributed.communication_failure(remote).startswith("lost contact with the other ranks: NCCL error in")
 
 
 @pytest.mark.unit

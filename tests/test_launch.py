@@ -364,27 +364,34 @@ def multinode_dry_run(tmp_path: Path, **settings: str) -> subprocess.CompletedPr
 @pytest.mark.dist
 def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
     """The node has 8 GPUs (the NVIDIA driver's list, faked in GPU_INVENTORY; or Slurm's node
-    record) but the job sees none (no CUDA_VISIBLE_DEVICES, no nvidia-smi): one line naming
-    the count and the fixes, instead of training on one CPU worker. DEVICE=cpu trains on CPU
-    on purpose; GPUs the job sees are used; DEVICE=gpu refuses where none are visible."""
+    record) but the workers' torch sees none (here: a torch built without CUDA): one line
+    naming the count, the cause and DEVICE=cpu, instead of training on CPU workers. DEVICE=cpu
+    trains on CPU on purpose; the workers are as many as torch's GPUs, not CUDA_VISIBLE_DEVICES'
+    (a fake PYTHON answers for a CUDA torch); DEVICE=gpu refuses where torch sees none."""
     inventory = tmp_path / "gpus"
     inventory.mkdir()
     for i in range(8):
         (inventory / f"0000:{i:02x}:00.0").mkdir()
     path = f"{tmp_path / 'empty'}:{os.path.dirname(sys.executable)}:/usr/bin:/bin"  # no nvidia-smi
 
-    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path)
-    errors = [line for line in proc.stderr.splitlines() if "error" in line]
-    assert proc.returncode == 1 and len(errors) == 1 and proc.stdout == "", output(proc)
-    assert "has 8 GPU(s) but this job sees none" in errors[0], errors
-    assert "--gpus-per-node=8" in errors[0] and "DEVICE=cpu" in errors[0], errors
+    for visible in ({}, {"CUDA_VISIBLE_DEVICES": "0,1"}):  # counted from torch, not from CUDA_VISIBLE_DEVICES
+        proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, **visible)
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert proc.returncode == 1 and len(errors) == 1 and proc.stdout == "", output(proc)
+        assert "has 8 GPU(s) but torch sees none: this torch" in errors[0], errors
+        assert "is built without CUDA" in errors[0] and "DEVICE=cpu" in errors[0], errors
 
     proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, DEVICE="cpu")
     assert proc.returncode == 0 and "(DEVICE=cpu: 1 CPU worker" in proc.stderr, output(proc)
-    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, CUDA_VISIBLE_DEVICES="0,1")
-    assert proc.returncode == 0 and "--nproc_per_node=2" in proc.stdout, output(proc)
+    cuda_python = tmp_path / "cuda-python"  # a CUDA torch that sees 2 of the node's GPUs
+    cuda_python.write_text('#!/usr/bin/env bash\n[ "$3 $4" = "-m mingpt_ddp.devices" ] && { echo 2; exit 0; }\n'
+                           f'exec {sys.executable} "$@"\n')
+    cuda_python.chmod(0o755)
+    proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, PYTHON=str(cuda_python))
+    assert proc.returncode == 0 and "--nproc_per_node=2" in proc.stdout and "(GPUs; 2 GPU(s))" in proc.stderr, \
+        output(proc)
     proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(tmp_path / "none"), PATH=path, DEVICE="gpu")
-    assert proc.returncode == 1 and "DEVICE=gpu but no GPU is visible" in proc.stderr, output(proc)
+    assert proc.returncode == 1 and "DEVICE=gpu but torch sees no GPU" in proc.stderr, output(proc)
     proc = multinode_dry_run(tmp_path, DEVICE="tpu")
     assert proc.returncode == 1 and "DEVICE=tpu: give auto" in proc.stderr, output(proc)
 
@@ -394,7 +401,7 @@ def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
                              FAKE_SCONTROL_LOG=str(tmp_path / "scontrol.log"), FAKE_GRES="gpu:a100:4,gpu:v100:2",
                              SLURM_JOB_ID="777", SLURM_JOB_NODELIST="n[1-2]", SLURM_JOB_NUM_NODES="2",
                              SLURM_NODEID="0", SLURMD_NODENAME="n1")
-    assert proc.returncode == 1 and "node n1 has 6 GPU(s) but this job sees none" in proc.stderr, output(proc)
+    assert proc.returncode == 1 and "node n1 has 6 GPU(s) but torch sees none" in proc.stderr, output(proc)
 
 
 @pytest.mark.cli

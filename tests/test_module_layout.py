@@ -14,7 +14,7 @@ from pathlib import Path
 from conftest import REPO
 
 PACKAGE = REPO / "mingpt_ddp"
-TOOLS = ("bench", "sample", "export", "plot", "preflight", "prepare", "network", "torchrun")
+TOOLS = ("bench", "sample", "export", "plot", "preflight", "prepare", "network", "torchrun", "devices")
 
 
 def documented_tools() -> set[str]:

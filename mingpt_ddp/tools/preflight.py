@@ -12,6 +12,9 @@ with its provider, from NCCL's own log; gloo: the interface).
 It exits 0 when everything holds, else with code 2 and one `error:` line (rank 0) naming
 the node and what is wrong:
 
+- a node whose NVIDIA driver lists GPUs that torch cannot use (a torch built without CUDA, a
+  driver older than torch's CUDA, a container or job given none of them), unless CPU was asked
+  for (DEVICE=cpu, CUDA_VISIBLE_DEVICES set empty): the line the trainer would stop with;
 - a node has fewer GPUs than workers (or none while the others have some);
 - torch, CUDA, NCCL or Python versions differ between nodes;
 - the all_reduce gave wrong sums or non-finite values on any rank (the first such rank and
@@ -101,6 +104,9 @@ def node_facts(local_world_size: int, fabric: Optional[dict[str, str]] = None) -
         "python": platform.python_version(),
         "fabric_env": fabric_environment() if fabric is None else fabric,
         "efa": efa_expected(),
+        # A node whose driver lists GPUs that torch cannot use, unless CPU was asked for (DEVICE=cpu):
+        # the same line main.py stops with (distributed.gpu_problem), else None.
+        "gpu_problem": None if gpus else distributed.gpu_problem("auto"),
     }
 
 
@@ -126,6 +132,9 @@ def per_node(facts: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def check_nodes(nodes: list[dict[str, Any]]) -> Optional[str]:
     """The first problem with the nodes, as one sentence naming the node; None when all hold."""
+    for n in nodes:
+        if n.get("gpu_problem"):
+            return n["gpu_problem"]
     with_gpus = [n for n in nodes if n["gpus"]]
     for n in nodes:
         if with_gpus and n["gpus"] < n["workers"]:
