@@ -15,6 +15,7 @@ import pickle
 import re
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
@@ -565,6 +566,33 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     holder = [obj]
     torch_dist.broadcast_object_list(holder, src=src)
     return holder[0]
+
+
+BROADCAST_CHUNK_BYTES = 64 << 20
+
+
+def broadcast_bytes(data: Optional[bytes], size: int, src: int = 0) -> Any:
+    """Rank `src`'s `size` bytes on every rank (`data` there; None elsewhere), sent in chunks
+    of BROADCAST_CHUNK_BYTES: beside the bytes themselves each rank holds one chunk, on the
+    process group's device (NCCL sends CUDA tensors only), never a pickled copy of the
+    whole. Returns `data` on `src`, a bytes-like buffer elsewhere."""
+    if not torch_dist.is_initialized():
+        return data
+    mine = torch_dist.get_rank() == src
+    host = None if mine else torch.empty(size, dtype=torch.uint8)
+    device = _current.device if _current is not None else torch.device("cpu")
+    chunk = torch.empty(min(size, BROADCAST_CHUNK_BYTES), dtype=torch.uint8, device=device)
+    view = memoryview(data) if mine else None
+    for start in range(0, size, BROADCAST_CHUNK_BYTES):
+        n = min(BROADCAST_CHUNK_BYTES, size - start)
+        if mine:
+            with warnings.catch_warnings():  # only read from: the buffer of immutable bytes is fine
+                warnings.simplefilter("ignore", UserWarning)
+                chunk[:n].copy_(torch.frombuffer(view[start:start + n], dtype=torch.uint8))
+        torch_dist.broadcast(chunk[:n], src=src)
+        if not mine:
+            host[start:start + n].copy_(chunk[:n])
+    return data if mine else memoryview(host.numpy())
 
 
 def all_gather_object(obj: Any) -> list:

@@ -84,11 +84,11 @@ from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.corpus.token_cache import load_corpus
 from mingpt_ddp.distributed import DistEnv, on_every_rank
 from mingpt_ddp import errors
-from mingpt_ddp.errors import ConfigError, UserFacingError
+from mingpt_ddp.errors import ConfigError, RunError, UserFacingError
 from mingpt_ddp.metrics import MetricsLog
 from mingpt_ddp.model import GPTConfig
 from mingpt_ddp.checkpoint.run_lock import Locks, RunLock
-from mingpt_ddp.checkpoint.snapshot import SnapshotStore
+from mingpt_ddp.checkpoint.snapshot import CorruptSnapshot, SnapshotStore, decode
 from mingpt_ddp.tools.runs import read_result
 from mingpt_ddp.tools.sweep import write_result
 from mingpt_ddp.trainer import Trainer, TrainState, is_finished, seed_everything
@@ -155,9 +155,53 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[AgreedSnapshot]:
     sharded snapshot's directory) on every rank. A snapshot path that is not on storage all
     nodes share gives each node its own view: one rank resuming at step N while another
     starts from scratch would train diverging replicas silently, so that is an error naming
-    who saw what. A sharded store gives the metadata; its shards are loaded later."""
+    who saw what. A snapshot file is read by rank 0 alone and sent to the others over the
+    process group (read_and_send); a sharded store gives the metadata, its shards are loaded later."""
+    if dist.is_distributed and store.read_by_rank0:
+        return read_and_send(store, dist)
     found = on_every_rank(store.latest_for_resume, dist)
     view = None if found is None else SnapshotView(found[0]["train_state"]["step"], store.identity(found[1]), found[1])
+    check_same_snapshot(view)
+    return None if found is None else AgreedSnapshot(*found)
+
+
+def read_and_send(store: SnapshotStore, dist: DistEnv) -> Optional[AgreedSnapshot]:
+    """Rank 0 reads and verifies the newest snapshot file; every other rank reads only its
+    header (256 bytes) at the same path, so a store some node does not share is still found
+    out (check_same_snapshot); then rank 0 sends the file's bytes over the process group in
+    chunks (distributed.broadcast_bytes: one read of shared storage per job, not one per
+    rank, 1.5 GB x 32 for gpt2 on 32 GPUs) and each rank verifies the checksum and decodes
+    them itself, so every rank's checks (model, corpus, failed_check) see the same snapshot."""
+    chosen = on_every_rank(lambda: distributed.wait_for_main(store.read_newest, f"reading the newest snapshot at "
+                                                             f"{store.url}"), dist)
+    if dist.is_main:
+        seen = None if chosen is None else (chosen["step"], chosen["sha256"], chosen["where"])
+    else:
+        seen = store.peek(chosen)
+    check_same_snapshot(SnapshotView(*seen) if seen else None)
+    if chosen is None:
+        return None
+    snapshot, blob = store.take_kept() if dist.is_main else (None, None)
+    blob = distributed.broadcast_bytes(blob, chosen["bytes"])
+
+    def decode_received() -> dict[str, Any]:
+        try:
+            return decode(blob, chosen["where"])
+        except CorruptSnapshot as exc:
+            raise RunError(f"the snapshot sent by rank 0 arrived damaged ({exc}): run the same command to resume")
+    received = on_every_rank(lambda: None if dist.is_main else decode_received(), dist)
+    snapshot = snapshot if dist.is_main else received
+    del blob
+    reads = distributed.all_gather_object(store.bytes_read)
+    if dist.is_main:
+        log.info("snapshot %s (step %d, %s bytes): read from storage by rank 0 and sent to %d other rank(s); bytes "
+                 "read from storage per rank: %s", chosen["where"], chosen["step"], f"{chosen['bytes']:,}",
+                 dist.world_size - 1, ", ".join(f"{r:,}" for r in reads))
+    return AgreedSnapshot(snapshot, chosen["where"])
+
+
+def check_same_snapshot(view: Optional[SnapshotView]) -> None:
+    """Every rank's view gathered: a ConfigError on every rank naming who saw what, unless all agree."""
     # plain tuples over the wire: main.py may run as __main__ (torchrun mingpt_ddp/main.py)
     views = [SnapshotView(*v) if v is not None else None
              for v in distributed.all_gather_object(tuple(view) if view else None)]
@@ -176,7 +220,6 @@ def load_agreed_snapshot(store, dist: DistEnv) -> Optional[AgreedSnapshot]:
             "in the run directory) must be one location on storage every node can read (a shared filesystem "
             "or an object store), the same on every rank"
         )
-    return None if found is None else AgreedSnapshot(*found)
 
 
 def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig, text_vocab: Vocabulary,

@@ -143,10 +143,22 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
+        return self.head(x, targets)
+
+    # The work outside the blocks, as methods of their own: FSDP (parallel.py), which compiles
+    # block by block, compiles these two apart; the whole model compiled (DDP) inlines them.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token plus position embeddings of (B, T) ids."""
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.drop(self.wte(idx) + self.wpe(pos))
+
+    def head(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Final LayerNorm, the tied head, and the mean cross-entropy against `targets`, on
+        fp32 logits (as autocast computes cross-entropy)."""
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None

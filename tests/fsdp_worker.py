@@ -94,7 +94,8 @@ def compiled(dist, out_dir, strategy_name):
 
         record = {"grad": torch.is_grad_enabled(), "calls": 0,
                   "inputs": sum(1 for n in gm.graph.nodes if n.op == "placeholder"),
-                  "embedding": any("wte" in n.name for n in gm.graph.nodes)}
+                  "embedding": any("wte" in n.name for n in gm.graph.nodes),
+                  "head": any("ln_f" in n.name for n in gm.graph.nodes)}
         graphs.append(record)
         inner = lookup_backend("aot_eager")(gm, example_inputs)
 

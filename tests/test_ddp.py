@@ -2,6 +2,7 @@
 import math
 import os
 import subprocess
+import re
 import time
 
 import pytest
@@ -47,6 +48,10 @@ def test_stop_after_epoch_one_then_resume_equals_an_uninterrupted_run(tmp_path, 
     assert after_one["train_state"]["epoch"] == 1
     text = train(split, small_corpus, "trainer.max_epochs=2", fixed)
     assert f"resumed from {split}" in text and "epoch 1, step" in text
+    # Rank 0 alone read the snapshot from storage; rank 1 read its header and received the rest.
+    reads = re.search(r"sent to 1 other rank\(s\); bytes read from storage per rank: ([\d,]+), ([\d,]+)", text)
+    assert reads, text
+    assert int(reads[1].replace(",", "")) > 1000 >= 256 >= int(reads[2].replace(",", "")), reads[0]
     a, b = load_snapshot(straight / "snapshot.pt"), load_snapshot(split / "snapshot.pt")
     assert a["train_state"] == b["train_state"]
     for name, tensor in a["model"].items():

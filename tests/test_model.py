@@ -84,3 +84,39 @@ def test_bf16_autocast_on_cpu_is_causal_and_close_to_fp32():
     assert torch.equal(logits[:, :9], logits2[:, :9])
     assert not torch.equal(logits[:, 9:], logits2[:, 9:])
     assert abs(loss.item() - model(idx, idx)[1].item()) < 0.05
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_adamw_is_fused_on_gpus_and_cpus(device_type):
+    """One fused kernel per parameter group (torch._fused_adamw_) instead of several foreach
+    passes over parameters, gradients and both moments: on an H100 at gpt2 size about 3.5 GB
+    of memory traffic a step, and torch's DTensor implements the op too, so FSDP's sharded
+    parameters get it as well (torch/distributed/tensor/_ops/_pointwise_ops.py)."""
+    optimizer = tiny().configure_optimizer(1e-3, 0.1, (0.9, 0.95), device_type)
+    assert [g["fused"] for g in optimizer.param_groups] == [True, True]
+
+
+@pytest.mark.parametrize("compile_on", [True, False])
+def test_fsdp_compiles_the_root_too_when_compiling(compile_on):
+    """Under FSDP each block is compiled on its own; the root's embeddings and its head with
+    the cross-entropy are compiled too (a graph each), else the head's loss ran eagerly on
+    fp32 logits. Checked on the structure: nothing is compiled here (trainer.compile off:
+    nothing at all)."""
+    import torch.distributed as torch_dist
+
+    from mingpt_ddp import distributed, parallel
+    from mingpt_ddp.config import TrainerConfig
+    from mingpt_ddp.precision import PrecisionPlan
+
+    single = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                                 device=torch.device("cpu"), backend="gloo")
+    cfg = TrainerConfig(strategy="fsdp", compile=compile_on)
+    torch.manual_seed(0)
+    model = parallel.build_model(cfg, GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=16))
+    try:
+        strategy = parallel.make_strategy(cfg, single, model, PrecisionPlan("fp32", "cpu"))
+        compiled = [getattr(b, "_compiled_call_impl", None) is not None for b in strategy.model.blocks]
+        compiled += [hasattr(getattr(strategy.model, part), "_torchdynamo_orig_callable") for part in ("embed", "head")]
+        assert compiled == [compile_on] * 4
+    finally:
+        torch_dist.destroy_process_group()

@@ -47,7 +47,8 @@ def test_compiled_training_matches_eager_and_evaluation_compiles_once(observed, 
     2 micro-batches with clipping, then the final evaluation over the whole split (its last
     batch short) and two more evaluations: the same losses, one training graph, and one
     evaluation graph compiled at the first evaluation and run by every later one. Under
-    FSDP both graphs are a block's (no embedding in them), run once per block per pass."""
+    FSDP each is three: a block's (run once per block per pass), and the root's embeddings
+    and its head with the loss (once per pass), so nothing of the model runs eagerly."""
     ranks = observations(observed, f"compiled:{strategy}")
     eager, compiled = ranks[0]["runs"]["eager"], ranks[0]["runs"]["compiled"]  # rank 0's metrics.jsonl
     assert [r["step"] for r in compiled] == [1, 2, 3, 4, 4, 4, 4]
@@ -60,18 +61,27 @@ def test_compiled_training_matches_eager_and_evaluation_compiles_once(observed, 
 
     for rank in ranks:
         train, evaluation = train_and_eval_graphs(rank)
-        assert len(train) == 1 and len(evaluation) == 1, rank["graphs"]
         assert len(rank["graphs_after_fit"]) == len(rank["graphs"])  # later evaluations compiled nothing
-        per_pass = rank["n_layer"] if strategy == "fsdp" else 1
-        assert train[0]["calls"] == 4 * 2 * per_pass
-        later = rank["eval_passes_per_evaluation"] * 2 * per_pass  # the two evaluations after fit
-        fit_eval = [g for g in rank["graphs_after_fit"] if not g["grad"]][0]["calls"]
-        assert fit_eval > 0 and evaluation[0]["calls"] == fit_eval + later, rank["graphs"]
-        if strategy == "fsdp":
-            assert rank["blocks_compiled"] == [True] * rank["n_layer"]
-            assert not train[0]["embedding"] and not evaluation[0]["embedding"]  # per block, not the whole model
+        if strategy == "ddp":  # the whole model in one graph
+            assert len(train) == 1 and len(evaluation) == 1, rank["graphs"]
+            assert train[0]["embedding"] and train[0]["head"]
+            parts = {"model": (train[0], evaluation[0], 1)}
         else:
-            assert train[0]["embedding"]  # DDP: the whole model in one graph
+            assert rank["blocks_compiled"] == [True] * rank["n_layer"]
+            assert len(train) == 3 and len(evaluation) == 3, rank["graphs"]
+            parts = {}
+            for name, pick in (("block", lambda g: not g["embedding"] and not g["head"]),
+                               ("embedding", lambda g: g["embedding"] and not g["head"]),
+                               ("head", lambda g: g["head"] and not g["embedding"])):
+                found = [g for g in train if pick(g)], [g for g in evaluation if pick(g)]
+                assert [len(f) for f in found] == [1, 1], (name, rank["graphs"])
+                parts[name] = (found[0][0], found[1][0], rank["n_layer"] if name == "block" else 1)
+        for name, (train_graph, eval_graph, per_pass) in parts.items():
+            assert train_graph["calls"] == 4 * 2 * per_pass, (name, rank["graphs"])
+            later = rank["eval_passes_per_evaluation"] * 2 * per_pass  # the two evaluations after fit
+            fit_eval = [g for g in rank["graphs_after_fit"] if not g["grad"] and g["embedding"] == eval_graph["embedding"]
+                        and g["head"] == eval_graph["head"]][0]["calls"]
+            assert fit_eval > 0 and eval_graph["calls"] == fit_eval + later, (name, rank["graphs"])
 
 
 def test_fp16_under_fsdp_reduces_found_inf_once_and_every_rank_skips_the_step(observed):

@@ -54,10 +54,10 @@ def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_
     script.write_text(
         "import os, runpy, sys\n"
         "from mingpt_ddp.checkpoint import snapshot\n"
-        "load_latest = snapshot.SnapshotStore.load_latest\n"
+        "peek = snapshot.SnapshotStore.peek\n"
         "def blind(self, *a, **k):\n"
-        "    return None if os.environ['RANK'] == '1' else load_latest(self, *a, **k)\n"
-        "snapshot.SnapshotStore.load_latest = blind\n"
+        "    return None if os.environ['RANK'] == '1' else peek(self, *a, **k)\n"
+        "snapshot.SnapshotStore.peek = blind\n"
         f"sys.argv[0] = {MAIN!r}\n"
         f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
     )

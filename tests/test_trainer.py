@@ -282,3 +282,33 @@ def test_a_failed_check_whose_marked_snapshot_cannot_be_saved_is_still_reported(
                                                   r"snapshot, marked .* could not be saved \(saving snapshot.pt failed"):
         trainer.fit()
     assert any(r.levelname == "ERROR" and "parameters differ" in r.message for r in caplog.records)
+
+
+def test_the_loop_reads_device_values_only_at_log_steps(text):
+    """A GPU runs ahead of the host only while the host never waits for a device value: a
+    `.item()`, `float(t)` or `bool(t)` (each one aten._local_scalar_dense, seen here on the CPU
+    too) in every step would stall it once per micro-batch. Counted per step through fit():
+    the loss and the gradient norm (clipping) are read at log steps alone (after steps 5 and 10)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class CountScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    trainer = make_trainer(text, grad_accum_steps=2, grad_clip=1.0, max_steps=12, log_every=5, eval_every=1000,
+                           final_eval_batches=1)
+    per_step, before = [], [0]
+
+    def count(t):
+        per_step.append(len(reads) - before[0])
+        before[0] = len(reads)
+
+    trainer.step_callbacks.append(count)
+    with CountScalarReads():
+        trainer.fit()
+    assert len(per_step) == 12
+    assert [step for step, n in enumerate(per_step, 1) if n] == [6, 11], per_step  # the reads of steps 5 and 10's logs

@@ -318,6 +318,8 @@ class ShardedSnapshotStore:
         self._inflight: Optional[SaveHandle] = None
 
     # ---- what a run asks of its snapshots, whichever store it has (SnapshotStore too) -----
+    read_by_rank0 = False  # every rank loads its own shards (and reads the small metadata itself)
+
     def latest_for_resume(self) -> Optional[tuple[dict[str, Any], str]]:
         """(meta, directory) of the newest committed snapshot on this rank; the shards are
         read by complete(), once the model and optimizer to read them into exist."""

@@ -20,7 +20,10 @@ a temp name and a rename on other remote filesystems (HDFS, SFTP). "Newest" is d
 the step numbers in the names and headers, never by listing order or modification times,
 and listings are re-read from the store (fsspec's listing cache dropped) each time.
 
-Only global rank 0 writes (through a :class:`BackgroundSaver`); every rank reads. A failed
+Only global rank 0 writes (through a :class:`BackgroundSaver`), and at a resume on many
+ranks only rank 0 reads the snapshot (main.load_agreed_snapshot sends its bytes to the
+others over the process group; they read 256 bytes, its header, to prove they see the same
+file). A failed
 write is retried in the background while training goes on, and the trainer stops the run
 once saving has kept failing for ``trainer.save_retry_minutes``.
 """
@@ -179,6 +182,9 @@ class SnapshotStore:
         self.suffix = dot + suffix if dot else ""
         self._history = re.compile(re.escape(self.stem) + r"\.step(\d+)" + re.escape(self.suffix) + "$")
         self.loaded_sha256: Optional[str] = None  # payload checksum of what load_latest() returned
+        self.bytes_read = 0  # read from the store by this process (the resume's log line shows every rank's)
+        self._kept: Optional[tuple[dict[str, Any], bytes]] = None  # read_newest()'s, until take_kept()
+        self._kept_blob: Optional[tuple[bytes, str]] = None
 
     # ---- what a run asks of its snapshots, whichever store it has (ShardedSnapshotStore too) ----
     def latest_for_resume(self) -> Optional[tuple[dict[str, Any], str]]:
@@ -196,6 +202,45 @@ class SnapshotStore:
     def complete(self, snapshot: dict[str, Any], where: str, strategy: Any, optimizer: Any) -> dict[str, Any]:
         """The snapshot with everything a resume loads: a whole-model file holds it all already."""
         return snapshot
+
+    # ---- a resume on many ranks: rank 0 reads, the others receive (main.load_agreed_snapshot) ----
+    read_by_rank0 = True  # a sharded store's ranks each load their own shards
+
+    def read_newest(self) -> Optional[dict[str, Any]]:
+        """Rank 0: load_latest(), its content and bytes kept for take_kept(); returns what the
+        other ranks check (peek) and need to receive: step, checksum, path, where, size."""
+        found = self.load_latest(keep_bytes=True)
+        if found is None:
+            return None
+        blob, path = self._kept_blob
+        self._kept, self._kept_blob = (found[0], blob), None
+        return {"step": header_step(blob[:256]), "sha256": self.loaded_sha256, "path": path, "where": found[1],
+                "bytes": len(blob)}
+
+    def peek(self, chosen: Optional[dict[str, Any]]) -> Optional[tuple[int, str, str]]:
+        """The other ranks: (step, checksum, where) from the header (256 bytes) of the file rank
+        0 chose, as this rank's storage has it; where rank 0 found none, of this rank's newest
+        file. None where this rank sees no such file: a store not shared by every node."""
+        try:
+            paths = [chosen["path"]] if chosen is not None else self.candidates()[:1]
+            for path in paths:
+                match = _HEADER.match(self._cat(path, 0, 256))
+                if match:
+                    return int(match[2]), match[4].decode(), self.display(path)
+        except (FileNotFoundError, IsADirectoryError):
+            pass
+        return None
+
+    def take_kept(self) -> tuple[dict[str, Any], bytes]:
+        """Rank 0: the snapshot read_newest() read, and its bytes to send; forgotten here."""
+        kept, self._kept = self._kept, None
+        assert kept is not None, "read_newest() first"
+        return kept
+
+    def _cat(self, path: str, start: Optional[int] = None, end: Optional[int] = None) -> bytes:
+        data = self.fs.cat_file(path, start=start, end=end)
+        self.bytes_read += len(data)
+        return data
 
     def _join(self, name: str) -> str:
         return f"{self.directory}/{name}" if self.directory else name
@@ -226,7 +271,7 @@ class SnapshotStore:
         """Existing snapshot files, newest step first (by number, not by listing order)."""
         found = self._history_steps()
         try:
-            step = header_step(self.fs.cat_file(self.path, start=0, end=256))
+            step = header_step(self._cat(self.path, 0, 256))
         except (FileNotFoundError, IsADirectoryError):
             pass
         else:
@@ -235,8 +280,9 @@ class SnapshotStore:
         found.sort(key=lambda item: (item[0], item[1] != self.path), reverse=True)
         return [path for _, path in found]
 
-    def load_latest(self) -> Optional[tuple[dict[str, Any], str]]:
-        """The newest snapshot that passes its checks, or None when there is none at all.
+    def load_latest(self, keep_bytes: bool = False) -> Optional[tuple[dict[str, Any], str]]:
+        """The newest snapshot that passes its checks, or None when there is none at all
+        (`keep_bytes`: its bytes and path kept too, for read_newest).
 
         A damaged file is skipped with a warning naming it; if every file is damaged,
         a ConfigError: starting from scratch silently would throw the run away. An
@@ -244,8 +290,8 @@ class SnapshotStore:
         reason.
         """
         try:
-            return storage.retry_transient(self._load_newest_valid, f"reading snapshots at {self.url}",
-                                           self.retry_minutes)
+            return storage.retry_transient(lambda: self._load_newest_valid(keep_bytes),
+                                           f"reading snapshots at {self.url}", self.retry_minutes)
         except ConfigError:
             raise
         except Exception as exc:
@@ -253,12 +299,12 @@ class SnapshotStore:
                 f"cannot read snapshots at {self.url} ({storage.describe(exc)}){self._hint(exc, 'read')}"
             ) from None
 
-    def _load_newest_valid(self) -> Optional[tuple[dict[str, Any], str]]:
+    def _load_newest_valid(self, keep_bytes: bool = False) -> Optional[tuple[dict[str, Any], str]]:
         problems = []
         self.loaded_sha256 = None
         for path in self.candidates():
             try:
-                blob = self.fs.cat_file(path)
+                blob = self._cat(path)
                 state = decode(blob, self.display(path))
             except FileNotFoundError:  # removed by the writer's retention since the listing
                 continue
@@ -267,6 +313,7 @@ class SnapshotStore:
                 problems.append(str(exc))
                 continue
             self.loaded_sha256 = _HEADER.match(blob[:256])[4].decode()  # which bytes: ranks compare it
+            self._kept_blob = (blob, path) if keep_bytes else None
             return state, self.display(path)
         if problems:
             raise ConfigError(
