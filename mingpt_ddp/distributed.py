@@ -765,21 +765,24 @@ _collective_timeout: Optional[datetime.timedelta] = None  # the configured one, 
 _extended = False
 
 
-def extend_collective_timeout(minutes: float = COMPILE_COLLECTIVE_TIMEOUT_MINUTES) -> None:
+def extend_collective_timeout(minutes: float = COMPILE_COLLECTIVE_TIMEOUT_MINUTES) -> bool:
     """The training group's collectives issued from now on wait at least `minutes` (until
     restore_collective_timeout()). _set_pg_timeout sets the backends' default timeout, which
     each collective takes when it is issued (ProcessGroupNCCL's watchdog times a work item by
     its own timeout), so issued ones keep it after the restore; torch's own
     torch.distributed.breakpoint() lengthens a group's timeout the same way. Restore only
     after a host sync on the long collectives, so that none issued later runs while a rank
-    may still be compiling."""
+    may still be compiling. Returns whether this call lengthened it: only that caller restores
+    (an evaluation inside the first step's extension must not end it: a resume at an epoch's
+    end evaluates before its first step)."""
     global _extended
     setter = getattr(torch_dist.distributed_c10d, "_set_pg_timeout", None)
-    if (setter is None or not torch_dist.is_initialized() or _collective_timeout is None
+    if (_extended or setter is None or not torch_dist.is_initialized() or _collective_timeout is None
             or minutes * 60 <= _collective_timeout.total_seconds()):
-        return
+        return False
     setter(datetime.timedelta(minutes=minutes))
     _extended = True
+    return True
 
 
 def restore_collective_timeout() -> None:

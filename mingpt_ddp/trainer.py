@@ -437,8 +437,8 @@ class Trainer:
         """Mean validation loss per token over all ranks' windows, dropout off; also logged:
         val_bpb, the same windows' loss in bits per byte of their text."""
         self.model.eval()
-        if self.strategy.compiled and not self._evaluated_before:  # its graph compiles now, on every rank
-            distributed.extend_collective_timeout()
+        # its graph compiles now, on every rank
+        extended = self.strategy.compiled and not self._evaluated_before and distributed.extend_collective_timeout()
         windows = self.eval_windows(final)
         mine = torch.arange(self.dist.rank, windows, self.dist.world_size)
         # nats, targets, nats of targets that are text, their bytes, windows (metrics.window_loss_sums)
@@ -459,7 +459,8 @@ class Trainer:
         distributed.all_reduce_sum(totals)
         self.model.train()
         nats, targets, text_nats, text_bytes, counted_windows = totals.tolist()
-        distributed.restore_collective_timeout()  # tolist() waited for the all_reduce
+        if extended:
+            distributed.restore_collective_timeout()  # tolist() waited for the all_reduce
         self._evaluated_before = True
         val_loss = nats / targets if targets > 0 else float("nan")
         self.state.last_val_loss = val_loss
@@ -690,7 +691,7 @@ class Trainer:
             # The peak measured at start was held down (other processes on the cores): the
             # hardware has just shown more, so MFU is quoted against that and stays <= 100%.
             self.metrics.note(f"{reached / 1e12:.3g} TFLOP/s per process reached, above the {self.peak_flops / 1e12:.3g} "
-                              "measured at start (other load on the cores then?): MFU is quoted against it from now on")
+                              "measured at start (other load on the cores then?): the measured-peak MFU (mfu_measured) is quoted against it from now on")
             self.peak_flops = reached
         record = {
             "step": self.state.step,

@@ -52,6 +52,23 @@ def corpus_path() -> Path:
     return Path(override) if override else CORPUS
 
 
+@pytest.fixture(autouse=True)
+def compile_workers_setting_stays_in_its_test():
+    """The trainer sizes inductor's compile workers for its process (TORCHINDUCTOR_COMPILE_THREADS,
+    torch._inductor.config.compile_threads) unless a user set them: an in-process test must not
+    hand its setting to later tests' children as if a user had made it."""
+    before = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    inductor = sys.modules.get("torch._inductor.config")
+    threads = inductor.compile_threads if inductor is not None else None
+    yield
+    if before is None:
+        os.environ.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
+    else:
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = before
+    if inductor is not None:
+        inductor.compile_threads = threads
+
+
 @pytest.fixture(scope="session", autouse=True)
 def token_cache_dir(tmp_path_factory) -> Path:
     """Runs that set no data.cache_dir keep their token files here, not in ~/.cache."""

@@ -138,8 +138,11 @@ def test_collectives_issued_while_ranks_may_compile_wait_longer(tmp_path, monkey
     try:
         monkeypatch.setattr(distributed, "_collective_timeout", five)
         backend = torch_dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        distributed.extend_collective_timeout()
+        assert distributed.extend_collective_timeout() is True
         assert backend.options._timeout == datetime.timedelta(minutes=distributed.COMPILE_COLLECTIVE_TIMEOUT_MINUTES)
+        # Nested (a resume at an epoch's end evaluates inside the first step's extension): not
+        # this caller's to restore, so the evaluation does not end the step's longer timeout.
+        assert distributed.extend_collective_timeout() is False
         distributed.restore_collective_timeout()
         assert backend.options._timeout == five
         distributed.extend_collective_timeout(1)
@@ -163,7 +166,7 @@ def test_a_compiled_trainer_waits_longer_until_every_rank_compiled(shakespeare, 
     events = []
     monkeypatch.setattr(trainer_module, "shield_compile_workers", lambda: None)
     monkeypatch.setattr(trainer_module, "size_compile_workers", lambda n: None)
-    monkeypatch.setattr(distributed, "extend_collective_timeout", lambda: events.append("extend"))
+    monkeypatch.setattr(distributed, "extend_collective_timeout", lambda: events.append("extend") or True)
     monkeypatch.setattr(distributed, "restore_collective_timeout", lambda: events.append("restore"))
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile", lambda model: real_compile(model, backend="eager"))

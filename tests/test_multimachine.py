@@ -280,6 +280,20 @@ def test_the_launcher_exits_with_the_class_its_workers_recorded(tmp_path, monkey
         described = {r: (f.exitcode, f.error_file_data.get("mingpt_error_class")) for r, f in failures.items()}
         assert torchrun.exit_code_for(failures) == code, described
 
+    # Issue 30 review: on GPUs the agent SIGKILLs a worker blocked in NCCL 30 s after another
+    # failed, and NCCL's watchdog aborts (SIGABRT) a worker whose peer was lost: neither is a
+    # crash (launch/train.sbatch requeues a crash only after progress), the OOM killer's is.
+    run_error, late_kill = failure(0, 4, RunError), failure(1, kill)
+    late_kill.timestamp = run_error.timestamp + 31
+    assert not torchrun.crashed(late_kill, {0: run_error, 1: late_kill})
+    assert torchrun.exit_code_for({0: run_error, 1: late_kill}) == 4
+    oom_killed = failure(1, kill)
+    oom_killed.timestamp = run_error.timestamp
+    assert torchrun.crashed(oom_killed, {0: run_error, 1: oom_killed})
+    aborted = {0: failure(0, -signals.SIGABRT), 1: failure(1, -signals.SIGABRT)}
+    assert not any(torchrun.crashed(f, aborted) for f in aborted.values())
+    assert torchrun.exit_code_for(aborted) == torchrun.RDZV_FAILED_EXIT
+
     refused = ChildFailedError("main.py", cases[0][0])
     line = torchrun.workers_failed(refused)
     assert line and line.startswith("error: worker(s) on") and "rank 0 (local rank 0) exited with code 2" in line

@@ -206,14 +206,30 @@ def left_a_traceback(failure: Any) -> bool:
 # The signals torchrun's agent stops the other workers with once one has failed: a worker that
 # died of one of these was stopped, not the cause.
 AGENT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# Deaths that are the symptom of another's failure, not a crash of their own: NCCL's watchdog
+# aborts a process whose peer or link was lost (a remote error or a collective timeout is
+# rethrown on its thread: std::terminate, SIGABRT), which a requeue mends.
+PEER_LOSS_SIGNALS = (signal.SIGABRT,)
+# The agent SIGTERMs the other workers when one fails and SIGKILLs those still there 30 s later
+# (torch.distributed.elastic.multiprocessing.api: _close(timeout=30)); a worker blocked in a CUDA
+# sync or an NCCL collective never runs its SIGTERM handler. Failures seen before the agent's
+# close carry the time they were seen, those it killed the time of the kill, so a SIGKILL this
+# much later than the first failure is the agent's, not the kernel's OOM killer's.
+AGENT_KILL_AFTER_S = 20
 
 
-def crashed(failure: Any) -> bool:
-    """A worker that died without recording a class: killed by a signal the agent does not
-    send (the kernel's OOM killer, SIGSEGV, SIGABRT) or with a traceback (a bug)."""
+def crashed(failure: Any, failures: dict[int, Any]) -> bool:
+    """A worker that died without recording a class: with a traceback (a bug, CUDA out of
+    memory), or killed by a signal neither its agent nor NCCL's watchdog sends (the kernel's OOM
+    killer, SIGSEGV). `failures`: every failure of the try, to tell the agent's late SIGKILL."""
     if errors.recorded_class(failure.error_file_data) is not None:
         return False
-    return left_a_traceback(failure) or (failure.exitcode < 0 and -failure.exitcode not in AGENT_STOP_SIGNALS)
+    if left_a_traceback(failure):
+        return True
+    if failure.exitcode >= 0 or -failure.exitcode in AGENT_STOP_SIGNALS + PEER_LOSS_SIGNALS:
+        return False
+    first = min(f.timestamp for f in failures.values())
+    return not (-failure.exitcode == signal.SIGKILL and failure.timestamp - first >= AGENT_KILL_AFTER_S)
 
 
 def exit_code_for(failures: dict[int, Any]) -> int:
@@ -229,7 +245,7 @@ def exit_code_for(failures: dict[int, Any]) -> int:
     recorded = {errors.recorded_class(f.error_file_data) for f in failures.values()}
     codes = {f.exitcode for f in failures.values()}
     for cls in errors.CLASSES:
-        if cls is errors.RunError and any(crashed(f) for f in failures.values()):
+        if cls is errors.RunError and any(crashed(f, failures) for f in failures.values()):
             return RDZV_FAILED_EXIT
         if cls in recorded or codes == {cls.exit_code}:
             return cls.exit_code
@@ -280,7 +296,7 @@ def cli() -> None:
         say(rendezvous_failure(exc, args))
         sys.exit(RDZV_FAILED_EXIT)
     except ChildFailedError as exc:
-        if any(crashed(f) for f in exc.failures.values()):  # a signal (OOM killer) leaves no record of its own
+        if any(crashed(f, exc.failures) for f in exc.failures.values()):  # a signal (OOM killer) leaves no record of its own
             errors.record_crash(args.max_restarts)  # the last try: its restarts are spent
         line = workers_failed(exc)
         if line is None:
