@@ -637,6 +637,10 @@ def test_preflight_fails_where_efa_is_expected_and_nccl_fell_back_to_sockets():
     one_node = NCCL_SOCKET_LOG.replace("via NET/Socket/0", "via P2P/CUMEM")
     assert check_transport([rank(0, "gpu-1", one_node)], efa) is None
     assert check_transport([{"rank": 0, "host": "cpu-1", "backend": "gloo"}], efa) is None
+    # aws-ofi-nccl on libfabric's tcp provider (FI_PROVIDER=tcp kept from the user): not EFA either
+    tcp_provider = NCCL_EFA_LOG.replace("Selected Provider is efa", "Selected Provider is tcp")
+    problem = check_transport([rank(0, "gpu-1", NCCL_EFA_LOG), rank(1, "gpu-2", tcp_provider)], efa)
+    assert problem and problem.startswith("node gpu-2 (rank 1) has EFA but aws-ofi-nccl runs on libfabric's 'tcp'"), problem
 
 
 @pytest.mark.unit

@@ -440,10 +440,16 @@ def two_nodes(tmp_path, name, data_path, node_env, wrap=lambda node, cmd: cmd):
     return [(p.wait(timeout=300), p.stdout.read()) for p in procs]
 
 
+def _can_unshare_mounts() -> bool:
+    """Root with unshare(1) and CAP_SYS_ADMIN (a `docker build` step is root without it)."""
+    return (os.geteuid() == 0 and shutil.which("unshare") is not None
+            and subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0)
+
+
 @pytest.mark.dist
 @pytest.mark.slow
-@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                    reason="needs root and unshare(1): each node gets a private mount namespace")
+@pytest.mark.skipif(not _can_unshare_mounts(),
+                    reason="needs root, unshare(1) and CAP_SYS_ADMIN: each node gets a private mount namespace")
 def test_nodes_may_keep_their_own_copies_of_the_text_and_caches_but_not_other_text(tmp_path, small_corpus):
     """Each node has its own copy of the text at the same path (another modification time;
     a private mount namespace per agent binds the node's directory there). With one cache

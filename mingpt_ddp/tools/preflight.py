@@ -198,6 +198,12 @@ def check_transport(transport: list[dict[str, Any]], facts: list[dict[str, Any]]
         if not facts[t["rank"]].get("efa") or t.get("backend") != "nccl":
             continue
         sockets = t.get("channels", {}).get("NET/Socket", 0)
+        provider = t.get("provider")
+        if provider and provider.lower() != "efa" and any(k.startswith("NET/") for k in t.get("channels", {})):
+            return (f"node {t['host']} (rank {t['rank']}) has EFA but aws-ofi-nccl runs on libfabric's {provider!r} "
+                    f"provider, not efa ({bench.describe_transport(t)}): unset FI_PROVIDER or set FI_PROVIDER=efa, "
+                    "check that `fi_info -p efa` lists devices inside the container; or set EFA=0 to train "
+                    "without EFA on purpose")
         if sockets:
             return (f"node {t['host']} (rank {t['rank']}) has EFA but NCCL connects it to the other nodes over TCP "
                     f"sockets ({bench.describe_transport(t)}): NCCL did not load the aws-ofi-nccl plugin, or "
