@@ -354,6 +354,11 @@ def test_sbatch_passes_an_exclusive_jobs_gpus_to_its_step(tmp_path):
                      {"FAKE_OVERSUBSCRIBE": "OK"}, {"FAKE_GRES": "(null)"}, {"DEVICE": "cpu"}):
         proc, srun_args, _ = run(**settings)
         assert proc.returncode == 0 and not any(a.startswith("--gres") for a in srun_args), (settings, srun_args)
+    # --ntasks-per-node=8 --gpus-per-task=1: the step's one task per node asks for the node's 8
+    proc, srun_args, _ = run(SLURM_GPUS_PER_TASK="1", SLURM_NTASKS_PER_NODE="8")
+    assert proc.returncode == 0 and "--gpus-per-task=8" in srun_args, (output(proc), srun_args)
+    proc, srun_args, _ = run(SLURM_GPUS_PER_TASK="h100:8", SLURM_NTASKS_PER_NODE="1")
+    assert not any(a.startswith(("--gres", "--gpus-per-task")) for a in srun_args), srun_args
 
 
 def multinode_dry_run(tmp_path: Path, **settings: str) -> subprocess.CompletedProcess:
