@@ -174,10 +174,16 @@ def read_and_send(store: SnapshotStore, dist: DistEnv) -> Optional[AgreedSnapsho
     them itself, so every rank's checks (model, corpus, failed_check) see the same snapshot."""
     chosen = on_every_rank(lambda: distributed.wait_for_main(store.read_newest, f"reading the newest snapshot at "
                                                              f"{store.url}"), dist)
-    if dist.is_main:
-        seen = None if chosen is None else (chosen["step"], chosen["sha256"], chosen["where"])
-    else:
-        seen = store.peek(chosen)
+    def peek() -> Optional[tuple[int, str, str]]:
+        if dist.is_main:
+            return None if chosen is None else (chosen["step"], chosen["sha256"], chosen["where"])
+        try:
+            return storage.retry_transient(lambda: store.peek(chosen), f"reading the snapshot header at {store.url}",
+                                           store.retry_minutes)
+        except Exception as exc:
+            raise ConfigError(f"cannot read snapshots at {store.url} ({storage.describe(exc)})"
+                              f"{store._hint(exc, 'read')}") from None
+    seen = on_every_rank(peek, dist)
     check_same_snapshot(SnapshotView(*seen) if seen else None)
     if chosen is None:
         return None

@@ -71,6 +71,25 @@ def test_ranks_that_see_different_snapshots_stop_with_one_error(tmp_path, small_
     assert time.monotonic() - start < 60, line
     assert load_snapshot(tmp_path / "run" / "snapshot.pt")["train_state"]["step"] == 4  # nothing trained on
 
+    # Rank 1's storage refuses the snapshot's header (another node's credentials, a stale NFS
+    # handle): one line from every rank, not rank 1's traceback and a "lost node" on the others.
+    script.write_text(
+        "import os, runpy, sys\n"
+        "from mingpt_ddp.checkpoint import snapshot\n"
+        "peek = snapshot.SnapshotStore.peek\n"
+        "def refused(self, *a, **k):\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise PermissionError(13, 'Access Denied', self.url)\n"
+        "    return peek(self, *a, **k)\n"
+        "snapshot.SnapshotStore.peek = refused\n"
+        f"sys.argv[0] = {MAIN!r}\n"
+        f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
+    )
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"})
+    expect_config_error(proc, "cannot read snapshots at")
+    assert load_snapshot(tmp_path / "run" / "snapshot.pt")["train_state"]["step"] == 4
+
 
 def diverging_main(tmp_path, strategy="ddp"):
     """main.py with rank 1's end-of-run fingerprint made to differ, in our code, not torch's:
