@@ -156,6 +156,9 @@ node_gpus() {
   echo "$n"
 }
 DEVICE=${DEVICE:-auto}
+for arg in "$@"; do  # the trainer's own setting asks for CPU workers as DEVICE=cpu does
+  [ "$arg" = trainer.device=cpu ] && [ "$DEVICE" = auto ] && DEVICE=cpu
+done
 case "$DEVICE" in
   auto|gpu) ;;
   cpu) export CUDA_VISIBLE_DEVICES="" ;;  # on purpose: the workers see no GPU (and the trainer knows it was asked for)

@@ -150,9 +150,9 @@ def node_gpus(env: Mapping[str, str] = os.environ) -> int:
 
 
 def cpu_asked_for(device: str, env: Mapping[str, str] = os.environ) -> bool:
-    """CPU on purpose: trainer.device=cpu, or CUDA_VISIBLE_DEVICES set empty (or -1), as
-    launch/multinode.sh's DEVICE=cpu does."""
-    return device == "cpu" or env.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    """CPU on purpose: trainer.device=cpu, or (trainer.device=auto) CUDA_VISIBLE_DEVICES set
+    empty (or -1), as launch/multinode.sh's DEVICE=cpu does; trainer.device=cuda never."""
+    return device == "cpu" or (device == "auto" and env.get("CUDA_VISIBLE_DEVICES") in ("", "-1"))
 
 
 def cuda_init_error() -> str:
@@ -211,26 +211,17 @@ def gpu_problem(device: str, env: Mapping[str, str] = os.environ, listed: Option
 def pick_device(local_rank: int, local_world_size: int = 1, device: str = "auto",
                 env: Mapping[str, str] = os.environ) -> tuple[torch.device, str]:
     """cuda:(LOCAL_RANK mod visible GPUs) with NCCL where CUDA is available, else CPU with
-    gloo; a ConfigError where that CPU was not asked for on a node with GPUs (gpu_problem), or
-    where this node's processes outnumber the GPUs they all see.
+    gloo; a ConfigError where that CPU was not asked for on a node with GPUs (gpu_problem).
 
     The modulo covers both launch styles: torchrun (each worker sees all of the node's GPUs,
     LOCAL_RANK picks one) and srun with --gpus-per-task=1 or GPU binding (each task sees only
-    its own GPU, as cuda:0, while SLURM_LOCALID still counts up to 7). Under torchrun more
-    workers than GPUs would put two ranks on one GPU, which NCCL refuses at its first
-    collective ("Duplicate GPU detected", ncclInvalidUsage); across launch styles setup()
-    compares the GPUs themselves. NCCL_HOSTID set: the user makes NCCL tell the processes apart.
+    its own GPU, as cuda:0, while SLURM_LOCALID still counts up to 7; or a wrapper sets
+    CUDA_VISIBLE_DEVICES=$LOCAL_RANK per worker). More workers than GPUs would put two ranks on
+    one GPU, which NCCL refuses at its first collective (ncclInvalidUsage): setup() compares
+    the GPUs themselves across ranks (agree_on_device), whatever the launch style, before it.
     """
     if device != "cpu" and torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if local_world_size > count and not _launched_per_slurm_task(env) and "NCCL_HOSTID" not in env:
-            raise ConfigError(
-                f"{local_world_size} processes on this node for {count} GPU(s) (LOCAL_WORLD_SIZE={local_world_size}, "
-                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', 'unset')}): two ranks would share a GPU, which "
-                f"NCCL refuses (\"Duplicate GPU detected\"); start one process per GPU (torchrun "
-                f"--nproc_per_node={count}; launch/multinode.sh: NPROC_PER_NODE unset), or trainer.device=cpu for "
-                "CPU processes")
-        return torch.device("cuda", local_rank % count), "nccl"
+        return torch.device("cuda", local_rank % torch.cuda.device_count()), "nccl"
     problem = gpu_problem(device, env)
     if problem:
         raise ConfigError(problem)
@@ -342,11 +333,14 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
 
 def _gpu_identity(device: torch.device) -> Optional[str]:
     """This rank's GPU as NCCL tells ranks apart: the host (NCCL's host hash: its name and
-    boot, or NCCL_HOSTID) and the device itself (its UUID, whatever CUDA_VISIBLE_DEVICES calls it)."""
-    if device.type != "cuda":
+    boot, or NCCL_HOSTID) and the device itself (its UUID and PCI address, whatever
+    CUDA_VISIBLE_DEVICES calls it: ROCm gives every GPU without a unique id the UUID "GPU-XX").
+    None where NCCL lets ranks share a GPU (NCCL_MULTI_RANK_GPU_ENABLE=1, NCCL >= 2.30)."""
+    if device.type != "cuda" or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1":
         return None
     try:
-        gpu = str(torch.cuda.get_device_properties(device).uuid)
+        props = torch.cuda.get_device_properties(device)
+        gpu = f"{props.uuid}@{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}"
     except (AttributeError, RuntimeError):
         gpu = f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}#{device.index}"
     return f"{os.environ.get('NCCL_HOSTID') or _host_and_boot()}/{gpu}"
@@ -376,14 +370,11 @@ def agree_on_device(store: Any, rank: int, world_size: int, backend: str, proble
                 store.set(key + "shared_gpu", gpu_key)
     if store.add(key + "arrived", 1) == world_size:
         store.set(key + "done", "1")
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while not store.check([key + "done"]):
-        if time.monotonic() >= deadline:
-            raise LostPeers(f"waited {timeout_s / 60:g} minutes for the other ranks to pick their devices: a rank "
-                            "did not start or its node has gone; run the same command to resume")
-        time.sleep(delay)
-        delay = min(2 * delay, 0.5)
+    try:
+        store.wait([key + "done"], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, torch_dist.DistError):  # DistStoreError: the wait ran out
+        raise LostPeers(f"waited {timeout_s / 60:g} minutes for the other ranks to pick their devices: a rank "
+                        "did not start or its node has gone; run the same command to resume") from None
     error = _device_disagreement(store, key, world_size)
     if error is not None:
         # Every rank has read it before rank 0 goes on to exit (it may host the store).
@@ -411,7 +402,7 @@ def _device_disagreement(store: Any, key: str, world_size: int) -> Optional[str]
     if store.add(key + "shared", 0):
         first = store.get(store.get(key + "shared_gpu").decode() + "/first").decode()
         return (f"{store.get(key + 'shared_by').decode()} uses the same GPU as {first}: NCCL refuses two ranks on "
-                "one GPU (\"Duplicate GPU detected\"); start one process per GPU (Slurm: --gpus-per-task=1, or as "
+                "one GPU (ncclInvalidUsage); start one process per GPU (Slurm: --gpus-per-task=1, or as "
                 "many tasks per node as GPUs), or trainer.device=cpu for CPU processes")
     return None
 

@@ -76,18 +76,37 @@ def test_the_refusal_names_the_likely_cause(cuda, init_error, visible, cause):
 
 
 @pytest.mark.unit
-def test_more_local_processes_than_gpus_are_refused_before_nccl(monkeypatch):
+def test_two_ranks_on_one_gpu_are_found_by_the_gpu_itself(monkeypatch):
     """`torchrun --nproc_per_node=2` on a one-GPU host put both ranks on cuda:0, which NCCL
-    refuses ("Duplicate GPU detected"). srun's per-task GPUs (each task sees its own as
-    cuda:0) and NCCL_HOSTID (NCCL told the processes apart on purpose) still work."""
+    refuses (ncclInvalidUsage), reworded as a lost node. Not judged from counts (a wrapper may
+    give each worker its own CUDA_VISIBLE_DEVICES, srun's per-task GPUs are each cuda:0): each
+    rank names its GPU (UUID and PCI address, on the host) and agree_on_device refuses two ranks
+    on one (test below). ROCm's GPUs without a unique id share the UUID "GPU-XX": the PCI
+    address tells them apart. NCCL_MULTI_RANK_GPU_ENABLE=1 lets NCCL share a GPU: no identity.
+    trainer.device=cuda with CUDA_VISIBLE_DEVICES= is refused, not CPU (review)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    with pytest.raises(ConfigError, match=r"^2 processes on this node for 1 GPU\(s\) .*--nproc_per_node=1"):
-        distributed.pick_device(1, 2, "auto", {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "2"})
-    per_task = {"SLURM_PROCID": "5", "SLURM_LOCALID": "5", "SLURM_STEP_ID": "0"}
-    assert distributed.pick_device(5, 8, "auto", per_task) == (torch.device("cuda", 0), "nccl")
-    assert distributed.pick_device(1, 2, "auto", {"NCCL_HOSTID": "r1"}) == (torch.device("cuda", 0), "nccl")
+    assert distributed.pick_device(1, 2, "auto", {"TORCHELASTIC_RUN_ID": "x"}) == (torch.device("cuda", 0), "nccl")
     assert distributed.pick_device(1, 2, "cpu", {}) == (torch.device("cpu"), "gloo")
+
+    class Props:
+        uuid, pci_domain_id, pci_device_id = "GPU-XX", 0, 0
+
+        def __init__(self, bus):
+            self.pci_bus_id = bus
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props(0x1A + d.index))
+    monkeypatch.setenv("NCCL_HOSTID", "h0")
+    a, b = distributed._gpu_identity(torch.device("cuda", 0)), distributed._gpu_identity(torch.device("cuda", 1))
+    assert a != b and a == distributed._gpu_identity(torch.device("cuda", 0)), (a, b)
+    monkeypatch.setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1")
+    assert distributed._gpu_identity(torch.device("cuda", 0)) is None
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.cpu_asked_for("auto", {"CUDA_VISIBLE_DEVICES": ""})
+    assert not distributed.cpu_asked_for("cuda", {"CUDA_VISIBLE_DEVICES": ""})
+    with pytest.raises(ConfigError, match="trainer.device=cuda but torch on"):
+        distributed.pick_device(0, 1, "cuda", {"CUDA_VISIBLE_DEVICES": "-1"})
 
 
 @pytest.mark.unit
@@ -177,7 +196,7 @@ def test_the_ranks_agree_on_their_devices_before_the_process_group():
 
     raised = agree([("nccl", None, "h0/GPU-a"), ("nccl", None, "h0/GPU-a")])
     assert all(isinstance(e, ConfigError) for e in raised) and len({str(e) for e in raised}) == 1, raised
-    assert "uses the same GPU as rank" in str(raised[0]) and "Duplicate GPU detected" in str(raised[0]), raised
+    assert "uses the same GPU as rank" in str(raised[0]) and "ncclInvalidUsage" in str(raised[0]), raised
 
 
 NCCL_ERROR = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3356, {what}, NCCL version "

@@ -388,6 +388,9 @@ def test_multinode_refuses_a_node_whose_gpus_the_job_cannot_see(tmp_path):
 
     proc = multinode_dry_run(tmp_path, GPU_INVENTORY=str(inventory), PATH=path, DEVICE="cpu")
     assert proc.returncode == 0 and "(DEVICE=cpu: 1 CPU worker" in proc.stderr, output(proc)
+    proc = subprocess.run([str(MULTINODE), "model=gpt-nano", "trainer.device=cpu"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60, env=clean_env(DRY_RUN="1", GPU_INVENTORY=str(inventory), PATH=path))
+    assert proc.returncode == 0 and "(DEVICE=cpu: 1 CPU worker" in proc.stderr, output(proc)  # the line's own advice
     cuda_python = tmp_path / "cuda-python"  # a CUDA torch that sees 2 of the node's GPUs
     cuda_python.write_text('#!/usr/bin/env bash\n[ "$3 $4" = "-m mingpt_ddp.devices" ] && { echo 2; exit 0; }\n'
                            f'exec {sys.executable} "$@"\n')

@@ -575,7 +575,9 @@ class ShardedSnapshotStore:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._stager is None:
-            cuda = torch.cuda.is_available()
+            # The state's own device, not torch.cuda.is_available(): a CPU run on a GPU node
+            # (trainer.device=cpu) must not open a CUDA context to pin memory.
+            cuda = any(getattr(t, "is_cuda", False) for t in _tensors(sharded))
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=False, use_non_blocking_copy=cuda))
         return self._stager.stage(sharded)
@@ -918,3 +920,15 @@ class ShardedSaver:
         """Block until the save in flight is committed; the error, the same on every rank."""
         self._finish_previous()
         return self._error
+
+
+def _tensors(tree: Any):
+    """The tensors in a nested dict/list state (DTensors count as tensors)."""
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for value in tree.values():
+            yield from _tensors(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _tensors(value)

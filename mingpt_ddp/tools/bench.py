@@ -1090,7 +1090,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         mode, options, overrides = parse_args(argv)
         if mode == "comm":
             nccl_log_to_files()  # before NCCL starts
-        dist = distributed.setup()
+        # trainer.device among the overrides decides as it does for a run (cpu: on purpose)
+        device = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.device=")), "auto")
+        dist = distributed.setup(device=device)
         result = RUNNERS[mode](dist, options, overrides)
     except UserFacingError as exc:
         rank = int(os.environ.get("RANK", "0"))
