@@ -17,7 +17,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             processes to leave the cores idle; the JSON records how busy they were anyway)
   peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (square sizes; device default); also
             the configured model's own matmuls (model=..., data.block_size, trainer.batch_size)
-  train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
+  train:    steps=20 warmup=5 (optimizer steps timed / run before timing); the JSON also has
+            each step's loss, the first step's seconds (compiling included) and what DDP did
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
             and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
             training the BPE), start-up with the token file reused,
