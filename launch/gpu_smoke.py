@@ -120,7 +120,8 @@ def api(out: str, mode: str) -> None:
                              "gloo": torch_dist.is_gloo_available(), "nccl_available": torch_dist.is_nccl_available()}
     if torch.cuda.is_available():
         device = torch.device("cuda", 0)
-        datasheet = metrics.datasheet_peak_flops(device, torch.bfloat16)
+        lookup = getattr(metrics, "datasheet_peak_flops", None)  # the vendor table, where this checkout has it
+        datasheet = lookup(device, torch.bfloat16) if lookup else None
         facts.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                      capability=list(torch.cuda.get_device_capability(0)), bf16=torch.cuda.is_bf16_supported(),
                      memory_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
@@ -494,9 +495,9 @@ def judge(out: Path, mode: str) -> dict[str, dict[str, Any]]:
     @check("sample")
     def _(s):
         log = out / "sample.log"
-        text = log.read_text(errors="replace") if log.exists() else ""
-        s["figures"] = {"text": text.strip()[:300]}
-        return [] if text.strip() else ["no text"]
+        text = log.read_text(errors="replace").strip() if log.exists() and s["exit"] == 0 else ""
+        s["figures"] = {"text": text[:300]} if text else {}
+        return [] if text or s["exit"] != 0 else ["no text"]
 
     for name, s in steps.items():
         if s["status"] == "not run":
