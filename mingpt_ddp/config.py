@@ -189,6 +189,10 @@ class TrainerConfig:
     # 25 (torch's default) on CPUs (ddp_bucket_cap_mb()).
     ddp_bucket_cap_mb: Optional[float] = None
     ddp_static_graph: bool = False  # DDP static_graph: the same parameters are used every step (true here)
+    # With one process, DDP still wraps the model, over a process group of one rank (NCCL on
+    # CUDA): its reducer, no_sync and the NCCL calls run as on many GPUs (launch/gpu_smoke.sh
+    # checks them on one GPU). Off: one process trains the plain model, without the wrapper's cost.
+    ddp_one_process: bool = False
     # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
     storage_options: Dict[str, Any] = field(default_factory=dict)
     # Saving may keep failing (retried in the background) this long before the run stops.

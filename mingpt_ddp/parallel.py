@@ -32,7 +32,7 @@ import torch
 import torch.distributed as torch_dist
 
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, ddp_bucket_cap_mb
-from mingpt_ddp.distributed import DistEnv
+from mingpt_ddp.distributed import DistEnv, process_group_options
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.precision import PrecisionPlan
@@ -61,8 +61,17 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
+def one_rank_group(dist: DistEnv) -> None:
+    """A process group of this one process (NCCL on CUDA, gloo on CPU) where there is none:
+    the model, its collectives and state dicts are then those of many ranks."""
+    if not torch_dist.is_initialized():
+        torch_dist.init_process_group(dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1,
+                                      **process_group_options(dist.device))
+
+
 class Strategy:
-    """DDP: a full replica per rank (also the plain model when there is one process)."""
+    """DDP: a full replica per rank (also the plain model when there is one process, unless
+    trainer.ddp_one_process wraps it over a one-rank group)."""
 
     name = "ddp"
     sharded_snapshots = False  # snapshots: one file by rank 0 (snapshot.py)
@@ -73,14 +82,17 @@ class Strategy:
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         self.cfg, self.dist, self.model, self.precision = cfg, dist, model, precision
         self.compiled = self.cfg.compile if self.cfg.compile is not None else self.dist.device.type == "cuda"
+        # DDP wraps the model on many ranks, and on one when asked (trainer.ddp_one_process)
+        self.wrapped = self.dist.is_distributed or self.cfg.ddp_one_process
         self.train_model = self._wrap()  # the model on its device, wrapped (and compiled) for training
         self.eval_model = self._eval_model()
 
     def _wrap(self) -> torch.nn.Module:
         self.model.to(self.dist.device)
         forward_model = torch.compile(self.model) if self.compiled else self.model
-        if not self.dist.is_distributed:
+        if not self.wrapped:
             return forward_model
+        one_rank_group(self.dist)  # (many ranks: setup() made the group)
         # Inside DDP's forward, torch.compile splits the graph at DDP's bucket boundaries
         # (DDPOptimizer), so the all-reduces still overlap the backward pass.
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -101,7 +113,7 @@ class Strategy:
     # ---- the step ---------------------------------------------------------------------------
     def no_sync(self, last: bool) -> ContextManager:
         """Gradients are reduced once per optimizer step, in the last micro-step's backward."""
-        if last or not self.dist.is_distributed:
+        if last or not self.wrapped:
             return contextlib.nullcontext()
         return self.train_model.no_sync()
 
@@ -133,7 +145,7 @@ class Strategy:
         """DDP's static_graph and no_sync (gradient accumulation) do not mix: DDP's reducer
         fails with an internal assert on the first accumulated step. Refused before training,
         also when an elastic resume turns accumulation on by itself."""
-        if self.cfg.ddp_static_graph and self.dist.is_distributed and accum_steps > 1:
+        if self.cfg.ddp_static_graph and self.wrapped and accum_steps > 1:
             raise ConfigError(
                 f"trainer.ddp_static_graph=true does not work with gradient accumulation ({accum_steps} "
                 f"micro-batches per step on {self.dist.world_size} processes"
@@ -202,10 +214,9 @@ class FSDPStrategy(Strategy):
     def _wrap(self) -> torch.nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if not torch_dist.is_initialized():
-            # One process: a one-rank group, so the model, its state dicts and snapshots are
-            # the same DTensors as on many ranks (and a snapshot moves between world sizes).
-            torch_dist.init_process_group(self.dist.backend, store=torch_dist.HashStore(), rank=0, world_size=1)
+        # One process: a one-rank group, so the model, its state dicts and snapshots are
+        # the same DTensors as on many ranks (and a snapshot moves between world sizes).
+        one_rank_group(self.dist)
         # Parameters are gathered in the compute dtype, gradients reduced in fp32 into fp32
         # master weights; autocast (precision.py) still keeps LayerNorm and softmax in fp32.
         low = self.precision.dtype if self.precision.name != "fp32" else None

@@ -17,7 +17,8 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             processes to leave the cores idle; the JSON records how busy they were anyway)
   peak:     seconds=0.5 (per dtype and size)  sizes=1536,2048 (square sizes; device default); also
             the configured model's own matmuls (model=..., data.block_size, trainer.batch_size)
-  train:    steps=20 warmup=5 (optimizer steps timed / run before timing)
+  train:    steps=20 warmup=5 (optimizer steps timed / run before timing); the JSON also has
+            each step's loss, the first step's seconds (compiling included) and what DDP did
   data:     steps=2000 (optimizer steps' worth of batches); also the corpus: encoding MB/s
             and MB/s per core (when this node had no token file yet; data.tokenizer=bpe includes
             training the BPE), start-up with the token file reused,
@@ -344,9 +345,19 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     last = [0.0]
     wall = [0.0, 0.0]  # the timed steps' start and end, evaluations between them included
 
+    losses: list[torch.Tensor] = []  # each step's loss, on the device (read once, at the end)
+    first_step_s = [0.0]  # start of fit() to the end of the first step: compiling included
+
+    def step_keeping_loss(micro_batches, step=trainer._optimizer_step):
+        loss = step(micro_batches)
+        losses.append(loss.detach().clone())
+        return loss
+
     def on_step(t) -> None:
-        if t.state.step == warmup or t.state.step == warmup + steps:
+        if t.state.step in (1, warmup, warmup + steps):
             sync(device)  # GPU work is asynchronous: only time what has finished
+        if t.state.step == 1:
+            first_step_s[0] = time.perf_counter() - started
         if t.state.step == warmup:
             noise.append(CpuNoise(dist))
         now = time.perf_counter()
@@ -371,12 +382,14 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         raise ConfigError("this Trainer has no step_callbacks (issue 7's trainer.py change): cannot time steps")
     trainer.step_callbacks.append(on_step)
     trainer.evaluate = evaluate_untimed
+    trainer._optimizer_step = step_keeping_loss
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     if warmup == 0:
         sync(device)
         noise.append(CpuNoise(dist))
         last[0] = wall[0] = time.perf_counter()
+    started = time.perf_counter()
     trainer.fit()
     state_bytes = measured_state_bytes(trainer)
     elapsed = sum(step_s[-steps:])
@@ -386,6 +399,8 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
     wall_s = all_ranks_max(wall[1] - wall[0], device)
     memory = all_ranks_max(float(peak_memory_bytes(device)), device)
     best_tokens_per_s = tokens / steps / best_window(step_s[-steps:]) if device.type == "cpu" else None
+    # the loss of every step, averaged over the ranks (one sync: FSDP's against DDP's, gpu_smoke.sh)
+    step_losses = (distributed.all_reduce_sum(torch.stack(losses).float()) / dist.world_size).tolist()
     peak, peak_raised = peak_at_least_reached(trainer.peak_flops, trainer.flops_per_token,
                                               max(tokens_per_s, best_tokens_per_s or 0.0) / dist.world_size)
     return {
@@ -418,6 +433,12 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "mfu_datasheet": None,
         **mfu_record(trainer.flops_per_token, tokens_per_s, peak, trainer.datasheet_peak_flops, dist.world_size),
         "strategy": trainer.strategy.name,
+        "first_step_s": all_ranks_max(first_step_s[0], device),  # includes compiling (trainer.compile)
+        "losses": step_losses,
+        # what trains the model: the DDP wrapper and its process group (trainer.ddp_one_process
+        # wraps one process too), or FSDP's group, or the plain model
+        "process_group": torch_dist.get_backend() if torch_dist.is_initialized() else None,
+        "ddp": ddp_facts(trainer.strategy.train_model),
         # parameters, gradients and optimizer state: the largest rank's own (shards under
         # FSDP), and the whole model's (what every DDP rank holds)
         "state_bytes_per_rank": state_bytes["per_rank"], "state_bytes_whole_model": state_bytes["whole_model"],
@@ -425,6 +446,21 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "max RSS",
         "other_cpu_busy": noise[0].fraction() if noise else None,
     }
+
+
+def ddp_facts(model: torch.nn.Module) -> Optional[dict[str, Any]]:
+    """What DDP's own log says it did (None: the model is not DDP-wrapped): its backend and
+    world size, whether its reducer rebuilt its buckets (after the first backward that reduced
+    gradients through them) and how many it reduced in a sampled iteration."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    data = model._get_ddp_logging_data()
+    return {"backend": data.get("backend_name"), "world_size": data.get("world_size"),
+            "bucket_cap_bytes": data.get("bucket_cap_bytes"),
+            "buckets": len(str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or "").split(",")),
+            "rebuilt_buckets": bool(data.get("has_rebuilt_buckets")), "buckets_reduced": data.get("num_buckets_reduced")}
 
 
 def measured_state_bytes(trainer) -> dict[str, dict[str, int]]:
