@@ -33,7 +33,8 @@ DOCS = "docs/gpu-check.md"
 # The three pure-Python packages an offline GPU image tends to lack, pinned as docs/gpu-check.md
 # builds their wheels; then what else the trainer imports.
 WHEELS = {"hydra": "hydra-core==1.3.2", "omegaconf": "omegaconf==2.3.0", "antlr4": "antlr4-python3-runtime==4.9.3"}
-OTHERS = {"yaml": "PyYAML", "fsspec": "fsspec", "numpy": "numpy", "torch": "torch"}
+OTHERS = {"yaml": "PyYAML", "fsspec": "fsspec", "numpy": "numpy", "torch": "torch",
+          "packaging": "packaging"}  # packaging: hydra-core's own dependency (the wheels come --no-deps)
 
 GPT2_PARAMETERS = 124_439_808  # GPT-2 small: vocabulary 50,257, block 1,024, 12 x 768, head tied to wte
 GPT2_VOCAB = 50_257
@@ -152,8 +153,13 @@ class Children:
         signal.signal(signal.SIGTERM, self._terminate)
 
     def start(self, command: list[str], log: Path) -> subprocess.Popen:
+        # Marked in its environment: torchrun starts each worker in a session of its own, out of
+        # reach of a kill of this run's group, and a worker blocked in NCCL outlives its agent.
+        env = {**os.environ, RUN_MARK: f"{os.getpid()}-{len(self.procs)}"}
         with open(log, "w") as f:
-            proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+            proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                    env=env)
+        proc.mark = env[RUN_MARK]
         self.procs.append(proc)
         return proc
 
@@ -162,17 +168,43 @@ class Children:
 
     def _terminate(self, signum, frame) -> None:
         for proc in self.procs:
-            kill_group(proc)
-        sys.exit(124)
+            kill_group(proc, wait=False)  # the main thread may be in proc.wait(): no wait here
+        os._exit(124)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
+RUN_MARK = "GPU_SMOKE_RUN"
+
+
+def marked(mark: str) -> list[int]:
+    """The processes whose environment carries RUN_MARK=`mark` (a run and every worker it started)."""
+    pids, needle = [], f"{RUN_MARK}={mark}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_group(proc: subprocess.Popen, wait: bool = True) -> None:
+    """SIGKILL the run: its process group and every process it started (torchrun's workers
+    each have a session of their own)."""
+    targets = marked(proc.mark) if getattr(proc, "mark", None) and os.path.isdir("/proc") else []
+    for pgid in {proc.pid, *targets}:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
-    proc.wait()
+    for pid in targets:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if wait:
+        proc.wait()
 
 
 def resumed_step(log: Path) -> Optional[int]:
@@ -303,6 +335,8 @@ def judge_train(r: dict[str, Any], mode: str, compiled: bool, strategy: str) -> 
         wrong.append(f"strategy {r.get('strategy')}, not {strategy}")
     if bool(r.get("compile")) != compiled:
         wrong.append(f"compile={r.get('compile')}")
+    elif compiled and not r.get("compiled_graphs"):
+        wrong.append("compile asked for but dynamo compiled no graph (TORCHDYNAMO_DISABLE? a fallback to eager?)")
     backend = "nccl" if mode == "gpu" else "gloo"
     if r.get("process_group") != backend:
         wrong.append(f"process group {r.get('process_group')}, not {backend}")

@@ -74,8 +74,9 @@ corpus=$out/corpus.txt
 data=("data.path=$corpus" data.download_url=null "data.cache_dir=$out/cache")
 if ((cpu)); then
   device=cpu vocab=0
-  model=(model=gpt-nano data.block_size=32 "trainer.batch_size=${BATCH:-8}" trainer.precision=fp32 model.dropout=0)
-  small=(model=gpt-nano data.block_size=32 trainer.batch_size=8 trainer.precision=fp32)
+  # trainer.device=cpu: a rehearsal on a GPU node stays on its CPUs, as its criteria expect
+  model=(model=gpt-nano data.block_size=32 "trainer.batch_size=${BATCH:-8}" trainer.precision=fp32 model.dropout=0 trainer.device=cpu)
+  small=(model=gpt-nano data.block_size=32 trainer.batch_size=8 trainer.precision=fp32 trainer.device=cpu)
   bench=(steps=4 warmup=1) peak=(seconds=0.1) dcp_steps=4
   run_steps=(trainer.max_steps=8 trainer.log_every=2 trainer.eval_every=4 trainer.snapshot_every_steps=4)
   resume_steps=(trainer.max_steps=16 trainer.snapshot_every_steps=2 trainer.log_every=4 trainer.eval_every=8)
@@ -110,7 +111,7 @@ step() {  # NAME SECONDS COMMAND...: run one step under its limit and the total'
     printf '[%s] (at most %ss) %s\n' "$name" "$limit" "$*"
     return 0
   fi
-  local left=$((total - report_limit - SECONDS))
+  local left=$((total - report_limit - 10 - SECONDS))  # 10: the two --kill-after margins
   if ((left < 5)); then
     echo "[$name] not run: the check's total of ${total}s is spent"
     printf '%s\tnot run\t0\t%s\n' "$name" "$limit" >> "$out/steps.tsv"
@@ -119,8 +120,13 @@ step() {  # NAME SECONDS COMMAND...: run one step under its limit and the total'
   ((limit > left)) && limit=$left
   echo "== $name (at most ${limit}s): $*"
   local started=$SECONDS rc
-  timeout --kill-after=5 "$limit" "$@" > "$out/$name.log" 2>&1
+  # Marked: torchrun's workers have sessions of their own, and a SIGKILLed torchrun (timeout's
+  # --kill-after) leaves them running; whatever carries the mark goes when the step ends.
+  GPU_SMOKE_RUN="step-$$-$name" timeout --kill-after=5 "$limit" "$@" > "$out/$name.log" 2>&1
   rc=$?
+  for proc in /proc/[0-9]*; do
+    grep -qxz "GPU_SMOKE_RUN=step-$$-$name" "$proc/environ" 2>/dev/null && kill -KILL "${proc#/proc/}" 2>/dev/null
+  done
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$((SECONDS - started))" "$limit" >> "$out/steps.tsv"
   echo "   exit $rc after $((SECONDS - started))s (log: $out/$name.log)"
 }

@@ -153,6 +153,11 @@ def test_the_report_judges_figures_not_exit_codes_and_says_why_in_one_line(tmp_p
     assert steps["sample"]["reason"] == "exit 1: RuntimeError: CUDA error: no kernel image is available"
     assert steps["run"]["status"] == "not run"
     assert all(s["criterion"] for s in steps.values())
+    # compiled by its setting, yet dynamo compiled nothing (TORCHDYNAMO_DISABLE=1): not a pass
+    write_steps(out, ("ddp_compiled", 0, 5, 135))
+    (out / "ddp_compiled.json").write_text(json.dumps(train_result(compile=True, compiled_graphs=0)))
+    judged = helper().judge(out, "cpu")["ddp_compiled"]
+    assert judged["status"] == "failed" and "compiled no graph" in judged["reason"], judged
 
 
 @pytest.mark.unit

@@ -410,6 +410,8 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "batch_size": trainer.micro_batch, "grad_accum_steps": trainer.accum_steps,
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
         "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
+        # graphs dynamo really compiled (0 where TORCHDYNAMO_DISABLE or a fallback ran it eager)
+        "compiled_graphs": _compiled_graphs(),
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
@@ -708,6 +710,12 @@ def nccl_log_to_files() -> None:
     log_dir = tempfile.mkdtemp(prefix="mingpt-nccl-")
     os.environ.update({NCCL_LOG_DIR: log_dir, "NCCL_DEBUG": "INFO",
                        "NCCL_DEBUG_FILE": os.path.join(log_dir, f"nccl.{os.getpid()}.log")})
+
+
+def _compiled_graphs() -> int:
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def nccl_transport(log: str) -> dict[str, Any]:
