@@ -41,7 +41,10 @@ if __package__ in (None, ""):
     # not from whatever copy the interpreter has installed (or none, in a container image).
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from mingpt_ddp import profiling  # noqa: E402 (standard library only at import)
 from mingpt_ddp.dependencies import require  # noqa: E402 (standard library only)
+
+profiling.mark("interpreter and package started")
 
 require("torch", "hydra", "omegaconf", "fsspec")  # one line naming a missing one, not a traceback per rank
 
@@ -97,6 +100,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 log = logging.getLogger("mingpt_ddp")
 config.register()
 cluster.register_resolvers()  # ${mingpt_cpus_per_task:} in conf/hydra/launcher/slurm.yaml
+profiling.mark("imports")
 
 
 def check_same_tokenizer(snapshot: dict[str, Any], where: str, cfg: config.DataConfig) -> None:
@@ -333,7 +337,9 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
     snapshots an FSDP run starts from; `lock`: the run locks rank 0 holds (losing one stops the run).
     Every rank goes through the same steps in the same order: each has collectives."""
     found = load_agreed_snapshot(ddp_files or saves_to, dist)
+    profiling.mark("run lock, snapshot search")
     data = build_data(cfg, dist, found)
+    profiling.mark("data (token cache)")
     resume = None
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
@@ -543,6 +549,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
     """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
     model = parallel.build_model(cfg.trainer, data.model_cfg)  # under FSDP: on the meta device, shards filled in later
+    profiling.mark("model built")
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
     vocab, tok = data.vocab, data.tokenizer
     metadata = {
@@ -586,6 +593,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
         run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
+        profiling.mark("trainer ready (trackers, wrapping, optimizer)")
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
@@ -593,8 +601,10 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             preview = sample.preview(model, tok, run_dir)  # the same text on every rank: same seed
             if dist.is_main:
                 metrics.note(preview)
+            profiling.mark("closing sample")
     finally:
         metrics.close(outcome)
+        profiling.mark("metrics closed")
     return Outcome("completed" if val_loss is not None else f"stopped by {trainer.stopped_by}", val_loss,
                    saves_to.url, data.identity)
 
@@ -722,6 +732,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     in_sweep = HydraConfig.get().mode == RunMode.MULTIRUN
     _points_run += in_sweep
     started = time.time()
+    profiling.mark("config composed (Hydra)")
     errors.record_start()  # launch/train.sbatch reads the records of the newest try only
     try:
         # Before anything else (Hydra has just written .hydra/ from the raw config): the one
@@ -735,6 +746,7 @@ def main(cfg: DictConfig) -> Optional[float]:
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer),
                                  config.device_setting(cfg.trainer))
         _quiet_other_ranks(dist)
+        profiling.mark("process group")
         run_dir = _agreed_run_dir(dist)
         # One live run per run directory: a single run's rank 0 took it before Hydra wrote
         # (RunDirCheck); a sweep point's, now. Refused: the point's .hydra/ goes back below.
@@ -806,6 +818,7 @@ def run() -> None:
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
             try:
                 main()
+                profiling.mark("main returned (run lock released)")
             finally:
                 token_cache.stop_keeping_fresh()  # the run's files age from here, as any others
     except config.BadOverrides as bad:  # Hydra would print the override back, a URL's signature included
@@ -829,7 +842,9 @@ def run() -> None:
         storage.redact_error_file()
         raise
     # A bug's exception propagates with its traceback; atexit still tears the group down.
+    profiling.mark("token cache thread stopped")
     distributed.shutdown(clean=True)
+    profiling.mark("process group destroyed")
     if _failed_points:  # the sweep went on past them; its exit code still says it is not all done
         # A ConfigError would fail again; points that only failed with RunErrors are worth a
         # retry (a requeued sweep skips its finished points and runs the failed ones again).

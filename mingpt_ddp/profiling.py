@@ -6,28 +6,50 @@ each, and then writes ``<run dir>/profile/rank0.steps<first>-<last>.pt.trace.jso
 trace format: ui.perfetto.dev, chrome://tracing, TensorBoard's profiler plugin); at the end
 of the run, a table of the most expensive operators next to it. A short window keeps the
 trace small and leaves the first steps (allocation, warm-up, torch.compile) out.
+
+Also where a run's time goes outside its steps (``mark``): the phases from process start to
+the first step and from the last step to exit, for ``python -m mingpt_ddp.bench fixed``.
+Standard library only at import, so main.py marks its start before torch is imported.
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import time
 import warnings
 from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from mingpt_ddp.config import TrainerConfig
     from mingpt_ddp.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+# The file that `mark` appends to (bench fixed sets it for its child runs); unset: marks cost nothing.
+TIMELINE_ENV = "MINGPT_DDP_TIMELINE"
+_timeline = os.environ.get(TIMELINE_ENV)
+
+
+def mark(phase: str) -> None:
+    """`phase` ended now: one JSON line {"phase", "t" (time.time()), "rank"} appended to the file
+    $MINGPT_DDP_TIMELINE names, written at once (a run that dies still shows how far it got)."""
+    if _timeline:
+        line = json.dumps({"phase": phase, "t": time.time(), "rank": int(os.environ.get("RANK", "0"))})
+        with open(_timeline, "a") as f:
+            f.write(line + "\n")
+
 
 
 class StepProfiler:
     """Step callback that profiles the steps after `first` up to and including `last`."""
 
     def __init__(self, first: int, last: int, out_dir: str, device: torch.device):
+        import torch
+
         self.first, self.last, self.out_dir = first, last, out_dir
         self.activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
@@ -50,6 +72,8 @@ class StepProfiler:
     def _start(self, step: int) -> None:
         # One step of warm-up before the window when there is one: the profiler's own start-up
         # (CUPTI on GPUs) then does not distort the first profiled step.
+        import torch
+
         warmup = 1 if step == self.first - 1 else 0
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*warmup.*")

@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from mingpt_ddp import determinism, distributed, parallel, precision
+from mingpt_ddp import determinism, distributed, parallel, precision, profiling
 from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, WindowDataset, epoch_offset, to_device
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
@@ -128,6 +128,7 @@ class Trainer:
         self.model = model  # placed (or, built on the meta device, filled in) by the strategy
         self.block_size = model.cfg.block_size
         self.precision = self._resolve_precision(resumed_precision)
+        profiling.mark("precision decided")
         if self.device.type == "cuda":
             # fp32 matmuls (fp32 runs, and what autocast leaves in fp32) in TF32 on Ampere+:
             # fp32's range with a 10-bit mantissa, the usual trade for training.
@@ -165,6 +166,7 @@ class Trainer:
                         "instructions: emulated); MFU is quoted against the fp32 peak. Set trainer.precision=fp32 "
                         "to train faster here", setting, self.precision.name, peak.slowdown, self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
+        profiling.mark("strategy, optimizer, matmul peak")
         self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
         self._last_saved: Optional[tuple[dict[str, Any], Any]] = None  # (TrainState, failed_check) last saved
         self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
@@ -498,6 +500,7 @@ class Trainer:
             shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:
+            profiling.mark("first step starts")
             try:
                 self.stopped_by = self._train_loop(stop_request)
             except RuntimeError as exc:  # an op without a deterministic kernel: one line, not a traceback
@@ -506,8 +509,10 @@ class Trainer:
                 raise
             if self.stopped_by:
                 self.metrics.note(f"{self.stopped_by}: stopping after step {self.state.step}, saving the last snapshot")
+            profiling.mark("last step ended")
             if self.finished:  # also when stopped at the last step
                 self._save_end_of_training(stop_request)
+                profiling.mark("end-of-run check, last snapshot queued")
             if self.stopped_by:
                 if not self.finished:
                     stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
@@ -521,11 +526,13 @@ class Trainer:
                 return None
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
                 self.evaluate(final=True)
+            profiling.mark("final evaluation")
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
                               f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
             self.state.final_eval_pending = False
             self.save()  # the same step again, now with its final val_loss: a finished run
             self._wait_for_saves()
+            profiling.mark("final snapshot saved")
         self.metrics.note(
             f"done: step {self.state.step}, epoch {self.state.epoch}, val_loss {self.state.last_val_loss:.4f} "
             f"(best {self.state.best_val_loss:.4f})"

@@ -5,6 +5,7 @@
     python -m mingpt_ddp.bench data data.block_size=256 trainer.batch_size=16
     python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
     python -m mingpt_ddp.bench precision models=all                 # fp32 vs bf16, auto's choice
+    python -m mingpt_ddp.bench fixed runs=5                         # a 1-step run's fixed costs
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
@@ -36,6 +37,13 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             (default: true on CPUs with more than AVX2): the same columns again for an AVX2-only
             CPU, measured in a child process under ATEN_CPU_CAPABILITY=avx2
             ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+  fixed:    runs=5 text_mb=1: a run's fixed costs. `python mingpt_ddp/main.py model=gpt-nano
+            trainer.max_steps=1` on a generated text of text_mb MB, as a child process, `runs`
+            times after one warm-up run (which fills the token cache): the median seconds of
+            each phase from launch to the first step (interpreter, imports, Hydra, process
+            group, data, model, precision, ...), of the step, and from the last step to exit
+            (final evaluation, snapshot, closing sample, shutdown), read from the marks the run
+            writes to $MINGPT_DDP_TIMELINE (profiling.mark); other overrides go to the run
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -75,13 +83,13 @@ from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu, mfu_record)
 
-MODES = ("peak", "train", "data", "snapshot", "comm", "precision")
+MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed")
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
     "project": None, "hosts": "2,4,8,16",
-    "avx2": None,
+    "avx2": None, "runs": 5, "text_mb": 1.0,
 }
 
 
@@ -264,6 +272,90 @@ def environment(dist) -> dict[str, Any]:
     if dist.device.type == "cpu":
         env["cpu"] = cpu_features()
     return env
+
+
+# ---- fixed costs ------------------------------------------------------------------------
+FIXED_RUN = ("model=gpt-nano", "trainer.max_steps=1")
+# Phases that end at the first step, and the one that ends the step (profiling.mark names them).
+FIRST_STEP, LAST_STEP = "first step starts", "last step ended"
+
+
+def fixed_cost_text(path: str, megabytes: float) -> None:
+    """A deterministic English-like text of `megabytes` MB (lines of words from a small
+    vocabulary): the bench needs no download and measures the same text everywhere."""
+    import random
+
+    words = ("the and of to a in that is was he for it with as his on be at by had not are but from or have an "
+             "they which one you were her all she there would their we him been has when who will more no if out "
+             "so said what up its about into than them can only other new some could time these two may then do "
+             "first any my now such like our over man me even most made after also did many before must through "
+             "ROMEO JULIET KING LEAR HAMLET thou thee thy hath doth lord good sweet night love death").split()
+    rng, lines, size = random.Random(0), [], 0
+    while size < megabytes * 1e6:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12)))
+        line = line[0].upper() + line[1:] + rng.choice(".,;:!?")
+        lines.append(line)
+        size += len(line) + 1
+    Path(path).write_text("\n".join(lines)[:int(megabytes * 1e6)])
+
+
+def child_env(timeline: str) -> dict[str, str]:
+    """The bench's own environment for a child run of its own: without the process-group
+    variables this process set (the child is a single process), with the timeline file."""
+    drop = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+            "TORCHELASTIC_RUN_ID")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["MINGPT_DDP_TIMELINE"] = timeline
+    return env
+
+
+def timed_run(main_py: str, args: list[str], workdir: str, n: int) -> dict[str, Any]:
+    """One child run: its phases, in order, as (name, seconds since the previous mark); the
+    first from launch (fork/exec included), the last ("exit") to the parent's wait()."""
+    timeline = os.path.join(workdir, f"timeline{n}.jsonl")
+    command = [sys.executable, main_py, *args, f"hydra.run.dir={os.path.join(workdir, f'run{n}')}"]
+    load = os.getloadavg()[0]
+    launched = time.time()
+    proc = subprocess.run(command, capture_output=True, text=True, env=child_env(timeline), timeout=900)
+    exited = time.time()
+    if proc.returncode != 0:
+        raise UserFacingError(f"the run failed (exit {proc.returncode}): {' '.join(command)}\n{proc.stderr[-2000:]}")
+    marks = [json.loads(line) for line in Path(timeline).read_text().splitlines()]
+    times = [("launch", launched)] + [(m["phase"], m["t"]) for m in marks] + [("exit", exited)]
+    phases = [(name, t - before) for (_, before), (name, t) in zip(times, times[1:])]
+    at = dict(times)
+    return {"phases": phases, "load_avg_1min": load, "total_s": exited - launched,
+            "launch_to_first_step_s": at[FIRST_STEP] - launched,
+            "step_s": at[LAST_STEP] - at[FIRST_STEP],
+            "last_step_to_exit_s": exited - at[LAST_STEP]}
+
+
+def run_fixed(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    if dist.world_size != 1:
+        raise ConfigError("bench fixed runs its child runs itself: start it as one process, not under torchrun")
+    runs = int(options["runs"])
+    if runs < 1:
+        raise ConfigError(f"runs={runs}: give at least 1")
+    main_py = str(Path(__file__).resolve().parents[1] / "main.py")
+    workdir = tempfile.mkdtemp(prefix="mingpt-bench-fixed-")
+    try:
+        text = os.path.join(workdir, "text.txt")
+        fixed_cost_text(text, float(options["text_mb"]))
+        args = [*FIXED_RUN, f"data.path={text}", f"data.cache_dir={os.path.join(workdir, 'cache')}", *overrides]
+        warmup = timed_run(main_py, args, workdir, 0)  # fills the token cache (and, if empty, the precision cache)
+        results = [timed_run(main_py, args, workdir, n) for n in range(1, runs + 1)]
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    names = [name for name, _ in results[0]["phases"]]
+    median = {name: statistics.median(dict(r["phases"])[name] for r in results) for name in names}
+    keys = ("launch_to_first_step_s", "step_s", "last_step_to_exit_s", "total_s")
+    return {"command": f"python mingpt_ddp/main.py {' '.join(args)} hydra.run.dir=...", "runs": runs,
+            "phases": [{"phase": name, "median_s": median[name],
+                        "runs_s": [dict(r["phases"])[name] for r in results]} for name in names],
+            **{k: statistics.median(r[k] for r in results) for k in keys},
+            "per_run": [{k: r[k] for k in (*keys, "load_avg_1min")} for r in results],
+            "warmup": {k: warmup[k] for k in (*keys, "load_avg_1min")},
+            "load_avg_1min": statistics.median(r["load_avg_1min"] for r in results)}
 
 
 # ---- output -----------------------------------------------------------------------------
@@ -1002,6 +1094,7 @@ def _container(node) -> dict[str, Any]:
 
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "fixed": run_fixed,
     "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
     "precision": run_precision,
 }
@@ -1102,6 +1195,20 @@ def report(mode: str, result: dict[str, Any]) -> None:
               b["background_write_s"], b.get("encode_s"), b.get("write_s"), b.get("save_s"),
               b.get("streamed_save_s"), b.get("read_s"), b.get("decode_s"), b.get("load_s")]],
         )
+    elif mode == "fixed":
+        first = [p["phase"] for p in result["phases"]].index(FIRST_STEP)
+        last = [p["phase"] for p in result["phases"]].index(LAST_STEP)
+
+        def part(p: dict[str, Any], i: int) -> str:
+            return "to the first step" if i <= first else "the step" if i <= last else "to exit"
+        print_table(f"fixed costs of a 1-step run, median of {result['runs']} (load average {result['load_avg_1min']:.2f}): "
+                    f"{where}", ["part", "phase ending", "median s", "runs s"],
+                    [[part(p, i), p["phase"], p["median_s"], " ".join(f"{s:.2f}" for s in p["runs_s"])]
+                     for i, p in enumerate(result["phases"])])
+        print(f"launch to first step {result['launch_to_first_step_s']:.2f} s | step {result['step_s']:.2f} s | "
+              f"last step to exit {result['last_step_to_exit_s']:.2f} s | total {result['total_s']:.2f} s "
+              f"(warm-up run: {result['warmup']['total_s']:.2f} s)")
+        print(f"command: {result['command']}")
     elif mode == "comm":
         print_table(
             f"all_reduce (in place, float sum) over {result['ranks']} rank(s): {where}{noise}",
