@@ -52,3 +52,29 @@ def test_sampling_a_snapshot_that_failed_the_end_of_run_check_warns(tmp_path, ca
     assert len(captured.out) == 8, captured.out  # the text is still written
     warning, = captured.err.splitlines()
     assert warning.startswith("warning: snapshot ") and "failed the end-of-run check (parameters differ" in warning
+
+
+@pytest.mark.unit
+def test_the_closing_sample_is_bounded_in_time_and_says_so(tmp_path):
+    """A run's closing sample (sample.preview) stops writing after its time bound and says
+    where; unbounded, it writes the same tokens as one call (chunks keep the seed's order)
+    and leaves the thread count as it found it."""
+    import torch
+    from mingpt_ddp.char_dataset import Vocabulary
+    from mingpt_ddp.corpus.tokenizer import CharTokenizer
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.tools import sample
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0))
+    tok = CharTokenizer(Vocabulary("\nabcd"))
+    threads = torch.get_num_threads()
+    cut = sample.preview(model, tok, str(tmp_path), tokens=240, seconds=0)
+    assert "a sample of what the model writes now:\n" in cut
+    assert "sampling stopped after 0 s, at 16 of 240 tokens; sample more: python -m mingpt_ddp.sample" in cut
+    whole = sample.preview(model, tok, str(tmp_path), tokens=40, seconds=None, lines=100)
+    assert "sampling stopped" not in whole and torch.get_num_threads() == threads
+    start = torch.from_numpy(tok.encode("\n").astype("int64"))[None]
+    once = model.generate(start, 40, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    assert whole.split(":\n", 1)[1].split("\nsample more")[0] == "\n".join(
+        "    " + line for line in tok.decode(once[0, 1:].tolist()).strip("\n").splitlines())

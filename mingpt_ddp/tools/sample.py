@@ -8,6 +8,7 @@ max_new_tokens, temperature, top_k, seed, device).
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -136,11 +137,20 @@ def cli(argv: Optional[list[str]] = None) -> None:
     sys.stdout.write(text + "\n")
 
 
+# The closing sample's bound in time where one process samples alone: on a busy machine
+# 240 tokens could take a minute; it says how many it wrote when it stops early.
+PREVIEW_SECONDS = 0.5
+
+
 @torch.no_grad()
-def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4) -> str:
+def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4,
+            seconds: Optional[float] = PREVIEW_SECONDS) -> str:
     """A few lines the model just learned to write, and the command that samples more: how a
     run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
-    starts where a document starts: after a newline (characters) or <|endoftext|>."""
+    starts where a document starts: after a newline (characters) or <|endoftext|>. At most
+    `tokens`, and no more after `seconds` (None: no time bound; ranks sampling together, as
+    under FSDP, must write the same number). One thread: each token's passes are too small
+    to share, and a thread waiting for a busy core made it 50x slower."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -148,16 +158,28 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 24
         first = tok.encode("\n" if "\n" in tok.vocab.chars else tok.vocab.chars[0])
     else:
         first = tok.separator_ids
-    start = torch.from_numpy(first.astype("int64"))[None].to(device)
+    out = torch.from_numpy(first.astype("int64"))[None].to(device)
     generator = torch.Generator(device=device).manual_seed(0)
-    # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
-    with torch.compiler.set_stance("force_eager"):
-        out = model.generate(start, tokens, temperature=0.8, generator=generator)
-    model.train(was_training)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    deadline = None if seconds is None else time.monotonic() + seconds
+    try:
+        # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
+        with torch.compiler.set_stance("force_eager"):
+            while out.size(1) - 1 < tokens:  # in chunks of 16: the same tokens as one call, the same seed
+                out = model.generate(out, min(16, tokens - out.size(1) + 1), temperature=0.8, generator=generator)
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+    finally:
+        torch.set_num_threads(threads)
+        model.train(was_training)
+    written = out.size(1) - 1
     text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
     shown = "\n".join("    " + line for line in text.splitlines())
+    cut = f"sampling stopped after {seconds:g} s, at {written} of {tokens} tokens; " if written < tokens else ""
     return (f"a sample of what the model writes now:\n{shown}\n"
-            f"sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")
+            f"{cut}sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")
 
 
 if __name__ == "__main__":
