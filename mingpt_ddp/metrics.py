@@ -257,6 +257,29 @@ def measured_peak(device: torch.device, dtype: torch.dtype, shapes: Optional[lis
     return _PEAK_CACHE[key]
 
 
+def cached_peak(device: torch.device, dtype: torch.dtype, shapes: list[Shape]) -> Peak:
+    """`measured_peak` at the model's `shapes`; on a CPU measured once and kept beside the
+    precision decisions (precision.peak_cache_file), under everything that decides it: the
+    CPU's facts (model, flags, kernels, torch, threads), the dtype and the shapes. The
+    measurement takes 0.3 s of every run's start, more than a short run's steps; a cached
+    peak that a run outruns is raised to what it reached (Trainer._log_train). GPUs measure."""
+    if device.type != "cpu":
+        return measured_peak(device, dtype, shapes)
+    from mingpt_ddp import precision  # here: precision imports what metrics does not
+
+    key = precision.peak_key(str(dtype), sorted(set(shapes)))
+    path = precision.peak_cache_file()
+    cache = precision._read_json(path)
+    entry = cache.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
+        return Peak(float(entry["flops"]), str(entry.get("dtype", "fp32")), float(entry.get("slowdown", 1.0)))
+    peak = measured_peak(device, dtype, shapes)
+    cache[key] = {"flops": peak.flops, "dtype": peak.dtype, "slowdown": peak.slowdown,
+                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    precision._write_json(path, cache)
+    return peak
+
+
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3,
                         shapes: Optional[list[Shape]] = None) -> float:
     """`measured_peak(...).flops`."""

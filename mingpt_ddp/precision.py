@@ -104,10 +104,24 @@ def decision_key(facts: dict, model_cfg, batch_size: int, block_size: int) -> st
     return hashlib.sha256(json.dumps([facts, shape], sort_keys=True).encode()).hexdigest()[:16]
 
 
-def precision_cache_file() -> str:
-    base = os.environ.get("MINGPT_DDP_CACHE") or os.path.join(
+def _cache_dir() -> str:
+    return os.environ.get("MINGPT_DDP_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mingpt_ddp")
-    return os.path.join(base, "precision.json")
+
+
+def precision_cache_file() -> str:
+    return os.path.join(_cache_dir(), "precision.json")
+
+
+def peak_cache_file() -> str:
+    """This CPU's matmul peaks (metrics.cached_peak), beside the precision decisions."""
+    return os.path.join(_cache_dir(), "matmul_peak.json")
+
+
+def peak_key(dtype: str, shapes: list) -> str:
+    """The cache key of one CPU matmul peak: the CPU's facts, the dtype, the matmul shapes."""
+    return hashlib.sha256(json.dumps([cpu_facts(), dtype, [list(s) for s in shapes]], sort_keys=True)
+                          .encode()).hexdigest()[:16]
 
 
 def probe_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -371,7 +385,7 @@ def _write_json(path: str, data: dict) -> None:
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
     except OSError as exc:
-        log.warning("could not cache the precision measurement in %s (%s)", path, exc)
+        log.warning("could not cache a measurement in %s (%s)", path, exc)
 
 
 def resolve(requested: Precision | str, device: torch.device,

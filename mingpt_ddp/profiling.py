@@ -19,13 +19,12 @@ import logging
 import os
 import time
 import warnings
-from typing import TYPE_CHECKING, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 if TYPE_CHECKING:
     import torch
 
     from mingpt_ddp.config import TrainerConfig
-    from mingpt_ddp.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class StepProfiler:
         self.stopped_at: Optional[int] = None
         self.trace_path: Optional[str] = None
 
-    def __call__(self, trainer: "Trainer") -> None:
+    def __call__(self, trainer: Any) -> None:  # a Trainer (trainer.py marks its phases here: no import back)
         step = trainer.state.step
         if self.started_at is None:
             if self.first - 1 <= step < self.last:  # a run resumed inside the window profiles the rest of it
@@ -108,7 +107,7 @@ class StepProfiler:
 
 
 @contextlib.contextmanager
-def profile_steps(trainer: "Trainer", cfg: "TrainerConfig", run_dir: str) -> Iterator[Optional[StepProfiler]]:
+def profile_steps(trainer: Any, cfg: "TrainerConfig", run_dir: str) -> Iterator[Optional[StepProfiler]]:
     """With trainer.profile=true, profile rank 0's steps in cfg.profile_steps around the block."""
     if not (cfg.profile and trainer.dist.is_main):
         yield None

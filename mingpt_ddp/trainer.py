@@ -43,7 +43,7 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
-from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, datasheet_peak_flops, measured_peak, mfu_record,
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, cached_peak, datasheet_peak_flops, mfu_record,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest, shield_compile_workers, size_compile_workers
@@ -154,7 +154,7 @@ class Trainer:
         self.state = TrainState()
         self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
-        peak = distributed.wait_for_main(lambda: measured_peak(
+        peak = distributed.wait_for_main(lambda: cached_peak(
             self.device, self.precision.dtype, model.matmul_shapes(cfg.batch_size * self.block_size)
         ), "measuring the matmul peak")
         self.peak_flops = peak.flops

@@ -126,7 +126,7 @@ import sys
 import mingpt_ddp.trainer
 from mingpt_ddp.tools import bench
 from mingpt_ddp.metrics import Peak
-mingpt_ddp.trainer.measured_peak = lambda *args, **kwargs: Peak(1e6, "fp32")  # as if others' load held it down
+mingpt_ddp.trainer.cached_peak = lambda *args, **kwargs: Peak(1e6, "fp32")  # as if others' load held it down
 sys.exit(bench.main(sys.argv[1:]))
 """
 
@@ -246,3 +246,44 @@ def test_precision_row_times_bf16_in_one_bounded_pass_unless_its_matmuls_are_fas
         assert sum(b for name, b in calls if name == "bf16") * 6.4 / 32 * max(slowdown, 1) <= bench.SLOW_PASS_SECONDS \
             or full
         assert row["bf16_tokens_per_s"] > 0
+
+
+@pytest.mark.cli
+def test_fixed_breaks_a_one_step_run_down_from_launch_to_exit(tmp_path):
+    stdout, r = run_bench(["fixed", "runs=1", "text_mb=0.2"], tmp_path, timeout=300)
+    phases = [p["phase"] for p in r["phases"]]
+    for phase in ("imports", "config composed (Hydra)", "data (token cache)", "precision decided",
+                  "first step starts", "last step ended", "final evaluation", "closing sample", "exit"):
+        assert phase in phases, phases
+    assert phases.index("first step starts") < phases.index("last step ended") < phases.index("final evaluation")
+    total = sum(p["median_s"] for p in r["phases"])
+    assert r["total_s"] == pytest.approx(total, abs=1e-6)
+    assert r["total_s"] == pytest.approx(r["launch_to_first_step_s"] + r["step_s"] + r["last_step_to_exit_s"])
+    assert "launch to first step" in stdout and "model=gpt-nano trainer.max_steps=1" in r["command"]
+
+
+# main.py as a program, its atexit handlers observed: did a DDP run import DCP?
+IMPORTED_AT_EXIT = """
+import atexit, runpy, sys
+main, out = sys.argv[1], sys.argv[2]
+def report():
+    heavy = sorted(m for m in sys.modules if m.startswith("torch.distributed.checkpoint"))
+    open(out, "w").write(repr(heavy))
+atexit.register(report)
+sys.argv = [main, *sys.argv[3:]]
+runpy.run_path(main, run_name="__main__")
+"""
+
+
+@pytest.mark.cli
+def test_a_ddp_run_imports_no_dcp_and_still_runs_its_atexit_handlers(tmp_path, small_corpus):
+    """A DDP run without sharded snapshots beside it does not import torch.distributed.checkpoint;
+    it ends without the interpreter's finalisation, but with its atexit handlers."""
+    report = tmp_path / "heavy.txt"
+    proc = subprocess.run([PYTHON, "-c", IMPORTED_AT_EXIT, str(REPO / "mingpt_ddp" / "main.py"), str(report),
+                           *TINY_TRAIN, f"data.path={small_corpus}", "trainer.max_steps=1",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert report.read_text() == "[]"
+    assert "sample more: python -m mingpt_ddp.sample" in proc.stdout + proc.stderr

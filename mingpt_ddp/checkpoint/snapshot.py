@@ -267,6 +267,18 @@ class SnapshotStore:
                 found.append((int(m[1]), full))
         return found
 
+    def may_have_sharded(self) -> bool:
+        """False when ``<path>.dcp`` surely does not exist (no FSDP run's sharded snapshots
+        beside these files): one look, without importing torch.distributed.checkpoint
+        (0.6 s of every run's start). True when it exists or the look failed: then
+        sharded_snapshot.is_sharded decides (with its retries and its one-line errors)."""
+        target = self.path + ".dcp"
+        try:
+            self.fs.invalidate_cache(target)
+            return bool(self.fs.exists(target))
+        except Exception:
+            return True
+
     def candidates(self) -> list[str]:
         """Existing snapshot files, newest step first (by number, not by listing order)."""
         found = self._history_steps()
