@@ -301,3 +301,26 @@ def test_a_model_built_on_the_meta_device_is_timed_on_a_filled_in_copy(tmp_path)
     choice = precision.measured_cpu_choice(model, 8, 16, str(tmp_path / "a.json"),
                                            fake_measure({"fp32": 1e-3, "bf16": 5e-4}, calls), lambda d, rows: 1.0)
     assert choice == "bf16" and len(calls) == 6 and all(p.is_meta for p in model.parameters())
+
+
+def test_a_cpu_matmul_peak_is_measured_once_and_kept_beside_the_precision_cache(monkeypatch, tmp_path):
+    """The start-up peak MFU is quoted against (0.3 s of every run's start on a CPU) is kept in
+    matmul_peak.json under the CPU's facts, dtype and shapes: measured again for another dtype
+    or shape, never for the same ones."""
+    from mingpt_ddp import metrics
+
+    monkeypatch.setenv("MINGPT_DDP_CACHE", str(tmp_path))
+    measured = []
+
+    def fake_peak(device, dtype, shapes=None, seconds=0.3):
+        measured.append((dtype, tuple(shapes)))
+        return metrics.Peak(1e11 if dtype == torch.float32 else 1e11 / 8, "fp32", 1.0 if dtype == torch.float32 else 8.0)
+
+    monkeypatch.setattr(metrics, "measured_peak", fake_peak)
+    cpu, shapes = torch.device("cpu"), [(256, 48, 144), (256, 48, 192)]
+    first = metrics.cached_peak(cpu, torch.float32, shapes)
+    assert metrics.cached_peak(cpu, torch.float32, list(reversed(shapes))) == first and len(measured) == 1
+    bf16 = metrics.cached_peak(cpu, torch.bfloat16, shapes)
+    assert bf16.emulated and metrics.cached_peak(cpu, torch.bfloat16, shapes) == bf16
+    metrics.cached_peak(cpu, torch.float32, shapes[:1])
+    assert len(measured) == 3 and (tmp_path / "matmul_peak.json").exists()
