@@ -868,21 +868,24 @@ def run() -> None:
 
 def exit_without_finalising(code: int = 0) -> None:
     """End the process as the interpreter would, less its finalisation (0.2-0.3 s freeing
-    torch's modules one by one, after every run): non-daemon threads joined, atexit handlers
-    run (weakref finalizers, trackers' own), logs and streams flushed, then os._exit."""
+    torch's modules one by one, after every run): threading's own shutdown (its atexit hooks
+    first, which tell idle thread and process pools to stop, as inductor's compile pool is,
+    then the non-daemon threads joined), atexit handlers run (weakref finalizers, trackers'
+    own), logs and streams flushed, then os._exit. A stream that cannot be flushed exits 120,
+    as the interpreter does."""
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what Py_FinalizeEx runs first: joining alone hung on an idle pool
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more to deliver
+        except BrokenPipeError:  # a closed pipe: nothing more to deliver
             pass
+        except (OSError, ValueError):
+            code = code or 120
     os._exit(code)
 
 

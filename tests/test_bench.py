@@ -276,6 +276,21 @@ runpy.run_path(main, run_name="__main__")
 
 
 @pytest.mark.cli
+def test_the_quick_exit_stops_idle_pools_as_the_interpreter_does(tmp_path):
+    """main.py's end without finalisation joined the non-daemon threads before threading's own
+    exit hooks ran: an idle ThreadPoolExecutor worker (inductor's C++ compile pool on a cold
+    cache) waited for work forever, so a finished run hung until the scheduler killed it."""
+    script = ("import concurrent.futures, sys\n"
+              f"sys.path.insert(0, {str(REPO)!r})\n"
+              "from mingpt_ddp.main import exit_without_finalising\n"
+              "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+              "pool.submit(print, 'worked', flush=True).result()\n"
+              "exit_without_finalising(0)\n")
+    proc = subprocess.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "worked" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.cli
 def test_a_ddp_run_imports_no_dcp_and_still_runs_its_atexit_handlers(tmp_path, small_corpus):
     """A DDP run without sharded snapshots beside it does not import torch.distributed.checkpoint;
     it ends without the interpreter's finalisation, but with its atexit handlers."""
