@@ -271,13 +271,30 @@ def cached_peak(device: torch.device, dtype: torch.dtype, shapes: list[Shape]) -
     path = precision.peak_cache_file()
     cache = precision._read_json(path)
     entry = cache.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0:
-        return Peak(float(entry["flops"]), str(entry.get("dtype", "fp32")), float(entry.get("slowdown", 1.0)))
+    if (isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] > 0
+            and isinstance(entry.get("slowdown", 1.0), (int, float)) and isinstance(entry.get("dtype", "fp32"), str)):
+        return Peak(float(entry["flops"]), entry.get("dtype", "fp32"), float(entry.get("slowdown", 1.0)))
     peak = measured_peak(device, dtype, shapes)
     cache[key] = {"flops": peak.flops, "dtype": peak.dtype, "slowdown": peak.slowdown,
                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     precision._write_json(path, cache)
     return peak
+
+
+def raise_cached_peak(device: torch.device, dtype: torch.dtype, shapes: list[Shape], reached: float) -> None:
+    """A run outran the cached peak (measured while other load held it down): keep the rate
+    it reached, so that the next runs do not quote MFU against the held-down one too."""
+    if device.type != "cpu":
+        return
+    from mingpt_ddp import precision
+
+    key = precision.peak_key(str(dtype), sorted(set(shapes)))
+    path = precision.peak_cache_file()
+    cache = precision._read_json(path)
+    entry = cache.get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] < reached:
+        cache[key] = {**entry, "flops": reached, "raised": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        precision._write_json(path, cache)
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3,

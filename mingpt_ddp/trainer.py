@@ -43,7 +43,7 @@ from mingpt_ddp.char_dataset import CharCorpus, ResumableDistributedSampler, Win
 from mingpt_ddp.config import OptimizerConfig, TrainerConfig, snapshot_every_minutes
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError, NeedsAPerson, RunError
-from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, cached_peak, datasheet_peak_flops, mfu_record,
+from mingpt_ddp.metrics import (MetricsLog, bits_per_byte, cached_peak, raise_cached_peak, datasheet_peak_flops, mfu_record,
                                 window_loss_sums)
 from mingpt_ddp.model import GPT
 from mingpt_ddp.preemption import StopRequest, shield_compile_workers, size_compile_workers
@@ -154,9 +154,9 @@ class Trainer:
         self.state = TrainState()
         self.total_steps = self.planned_steps()
         self.flops_per_token = model.flops_per_token(self.block_size)
-        peak = distributed.wait_for_main(lambda: cached_peak(
-            self.device, self.precision.dtype, model.matmul_shapes(cfg.batch_size * self.block_size)
-        ), "measuring the matmul peak")
+        self._peak_shapes = model.matmul_shapes(cfg.batch_size * self.block_size)
+        peak = distributed.wait_for_main(lambda: cached_peak(self.device, self.precision.dtype, self._peak_shapes),
+                                         "measuring the matmul peak")
         self.peak_flops = peak.flops
         if peak.emulated and dist.is_main:
             requested = getattr(cfg.precision, "value", cfg.precision)
@@ -700,6 +700,8 @@ class Trainer:
             self.metrics.note(f"{reached / 1e12:.3g} TFLOP/s per process reached, above the {self.peak_flops / 1e12:.3g} "
                               "measured at start (other load on the cores then?): the measured-peak MFU (mfu_measured) is quoted against it from now on")
             self.peak_flops = reached
+            if self.dist.is_main:
+                raise_cached_peak(self.device, self.precision.dtype, self._peak_shapes, reached)
         record = {
             "step": self.state.step,
             "epoch": self.state.epoch,

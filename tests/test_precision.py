@@ -324,3 +324,16 @@ def test_a_cpu_matmul_peak_is_measured_once_and_kept_beside_the_precision_cache(
     assert bf16.emulated and metrics.cached_peak(cpu, torch.bfloat16, shapes) == bf16
     metrics.cached_peak(cpu, torch.float32, shapes[:1])
     assert len(measured) == 3 and (tmp_path / "matmul_peak.json").exists()
+
+    # Review: a peak measured under load was kept for good. A run that outruns it raises it for
+    # the next runs; a damaged entry is measured again, not a traceback.
+    metrics.raise_cached_peak(cpu, torch.float32, shapes, 3e11)
+    assert metrics.cached_peak(cpu, torch.float32, shapes).flops == 3e11 and len(measured) == 3
+    metrics.raise_cached_peak(cpu, torch.float32, shapes, 2e11)  # never lowered
+    assert metrics.cached_peak(cpu, torch.float32, shapes).flops == 3e11
+    import json
+    cache = json.loads((tmp_path / "matmul_peak.json").read_text())
+    for entry in cache.values():
+        entry["slowdown"] = None
+    (tmp_path / "matmul_peak.json").write_text(json.dumps(cache))
+    assert metrics.cached_peak(cpu, torch.float32, shapes).flops == 1e11 and len(measured) == 4

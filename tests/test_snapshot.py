@@ -89,3 +89,20 @@ def test_unwritable_location_fails_early(tmp_path):
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="cannot write snapshots.*trainer.snapshot_path"):
         SnapshotStore(str(blocker / "sub" / "snapshot.pt")).check_writable()
+
+
+@pytest.mark.unit
+def test_whether_sharded_snapshots_may_be_beside_fails_open(tmp_path, monkeypatch):
+    """A DDP run skips importing DCP only when `<snapshot>.dcp` surely is not there: a look
+    that fails (EIO, a stale NFS handle) must not read as absent, or a DDP start would miss the
+    FSDP run's snapshots and begin at step 0 (fsspec's exists() swallows every error)."""
+    store = SnapshotStore(str(tmp_path / "snapshot.pt"))
+    assert store.may_have_sharded() is False
+    (tmp_path / "snapshot.pt.dcp").mkdir()
+    assert store.may_have_sharded() is True
+
+    def broken(path, **kwargs):
+        raise OSError(5, "Input/output error", path)
+
+    monkeypatch.setattr(store.fs, "info", broken)
+    assert store.may_have_sharded() is True

@@ -275,9 +275,12 @@ class SnapshotStore:
         target = self.path + ".dcp"
         try:
             self.fs.invalidate_cache(target)
-            return bool(self.fs.exists(target))
+            self.fs.info(target)  # not exists(): fsspec's swallows every error as "absent"
+        except FileNotFoundError:
+            return False
         except Exception:
             return True
+        return True
 
     def candidates(self) -> list[str]:
         """Existing snapshot files, newest step first (by number, not by listing order)."""
