@@ -57,23 +57,28 @@ def resolve(tmp_path: Path, **settings: str) -> tuple[str, str]:
 
 @pytest.mark.dist
 def test_topology_resolution(tmp_path):
-    """What multinode.sh derives from its environment: workers per GPU (CUDA_VISIBLE_DEVICES,
-    else `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count, first node, job id
-    and a per-job port; without Slurm HEAD_NODE, port 29500 and a run id both machines agree
-    on; elastic MIN:MAX; overrides."""
+    """What multinode.sh derives from its environment: workers per GPU that the workers' torch
+    can use (issue 30: asked of torch, `python -m mingpt_ddp.devices`, not counted from
+    CUDA_VISIBLE_DEVICES or `nvidia-smi -L`) or NPROC_PER_NODE; under Slurm the node count,
+    first node, job id and a per-job port; without Slurm HEAD_NODE, port 29500 and a run id
+    both machines agree on; elastic MIN:MAX; overrides."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
     (fake_bin / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2; do echo \"GPU $i: Fake (UUID: GPU-$i)\"; done\n")
     (fake_bin / "nvidia-smi").chmod(0o755)
     with_smi = f"{fake_bin}:{os.environ['PATH']}"
+    cuda_python = tmp_path / "cuda-python"  # a CUDA torch that can use 2 GPUs
+    cuda_python.write_text('#!/usr/bin/env bash\n[ "$3 $4" = "-m mingpt_ddp.devices" ] && { echo 2; exit 0; }\n'
+                           f'exec {sys.executable} "$@"\n')
+    cuda_python.chmod(0o755)
 
-    topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1")
-    assert "nproc_per_node=2 (GPUs; 2 GPU(s))" in topo and "--nproc_per_node=2" in cmd
-    topo, cmd = resolve(tmp_path, PATH=with_smi)
-    assert "--nproc_per_node=3" in cmd, topo
-    topo, cmd = resolve(tmp_path, PATH=with_smi, CUDA_VISIBLE_DEVICES="")
+    topo, cmd = resolve(tmp_path, PATH=with_smi, PYTHON=str(cuda_python))
+    assert "nproc_per_node=2 (GPUs; 2 GPU(s))" in topo and "--nproc_per_node=2" in cmd, topo  # not nvidia-smi's 3
+    topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1")  # this CPU torch: CUDA_VISIBLE_DEVICES counts no GPU
     assert "--nproc_per_node=1" in cmd and "no GPU" in topo, topo
-    topo, cmd = resolve(tmp_path, CUDA_VISIBLE_DEVICES="0,1", NPROC_PER_NODE="1")
+    topo, cmd = resolve(tmp_path, PATH=with_smi, PYTHON=str(cuda_python), CUDA_VISIBLE_DEVICES="", DEVICE="cpu")
+    assert "--nproc_per_node=1" in cmd and "DEVICE=cpu" in topo, topo
+    topo, cmd = resolve(tmp_path, PYTHON=str(cuda_python), CUDA_VISIBLE_DEVICES="0,1", NPROC_PER_NODE="1")
     assert "--nproc_per_node=1" in cmd, topo
 
     # A dry run: 10.1.2.3 is only text to the script (it binds it locally to ask whether it is

@@ -503,7 +503,7 @@ def run_train(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
         "global_batch": trainer.global_batch, "precision": trainer.precision.name,
         "compile": trainer.strategy.compiled, "log_every": cfg.trainer.log_every,
         # graphs dynamo really compiled (0 where TORCHDYNAMO_DISABLE or a fallback ran it eager)
-        "compiled_graphs": _compiled_graphs(),
+        "compiled_graphs": _compiled_graphs() if trainer.strategy.compiled else 0,
         "steps": steps, "warmup": warmup,
         "tokens_per_s": tokens_per_s, "tokens_per_s_per_process": tokens_per_s / dist.world_size,
         # over the timed steps' wall time, evaluations among them included (trainer.eval_every as
