@@ -137,15 +137,15 @@ step api 20 "$py" launch/gpu_smoke.py api "$out/api.json" "$mode"
 step peak 30 "$py" -m mingpt_ddp.bench peak "${model[@]}" "${peak[@]}" "out=$out/peak.json"
 step ddp_eager 35 "${train[@]}" "${ddp[@]}" trainer.compile=false "out=$out/ddp_eager.json"
 step fsdp 35 "${train[@]}" trainer.strategy=fsdp trainer.grad_accum_steps=2 trainer.compile=false "out=$out/fsdp.json"
-step ddp_compiled 135 "${train[@]}" "${ddp[@]}" trainer.compile=true "out=$out/ddp_compiled.json"
+step ddp_compiled 100 "${train[@]}" "${ddp[@]}" trainer.compile=true "out=$out/ddp_compiled.json"
 # Eager: the compiled path is timed above; compiling training and evaluation again would not fit.
 step run 45 "${launch[@]}" mingpt_ddp/main.py "${model[@]}" "${data[@]}" trainer.ddp_one_process=true \
   trainer.compile=false "${run_steps[@]}" trainer.eval_batches=4 trainer.final_eval_batches=8 "hydra.run.dir=$out/run"
 # Bit-identical by the docs (docs/fault-tolerance.md): CPU, and GPUs under trainer.deterministic=true.
-step resume 45 "$py" launch/gpu_smoke.py resume "$out/resume" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" \
+step resume 65 "$py" launch/gpu_smoke.py resume "$out/resume" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" \
   "${data[@]}" trainer.ddp_one_process=true trainer.deterministic=true trainer.compile=false "${resume_steps[@]}" \
   "${short_evals[@]}"
-step dcp 35 "$py" launch/gpu_smoke.py dcp "$out/dcp" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" "${data[@]}" \
+step dcp 50 "$py" launch/gpu_smoke.py dcp "$out/dcp" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" "${data[@]}" \
   trainer.strategy=fsdp trainer.compile=false trainer.max_steps=$dcp_steps trainer.log_every=10 trainer.eval_every=1000 \
   "${short_evals[@]}"
 step sample 20 "$py" -m mingpt_ddp.sample "$out/run" "device=$device" max_new_tokens=100

@@ -601,9 +601,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             val_loss = trainer.fit()
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
-            # the same text on every rank (same seed, and no time bound where they sample together)
-            preview = sample.preview(model, tok, run_dir,
-                                     seconds=None if trainer.strategy.collective_forward else sample.PREVIEW_SECONDS)
+            # the same text on every rank (same seed; where they sample together rank 0's clock bounds it)
+            preview = sample.preview(model, tok, run_dir, together=trainer.strategy.collective_forward)
             if dist.is_main:
                 metrics.note(preview)
             profiling.mark("closing sample")

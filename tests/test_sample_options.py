@@ -78,3 +78,36 @@ def test_the_closing_sample_is_bounded_in_time_and_says_so(tmp_path):
     once = model.generate(start, 40, temperature=0.8, generator=torch.Generator().manual_seed(0))
     assert whole.split(":\n", 1)[1].split("\nsample more")[0] == "\n".join(
         "    " + line for line in tok.decode(once[0, 1:].tolist()).strip("\n").splitlines())
+
+
+TOGETHER = """
+import sys, torch, torch.distributed as dist
+from mingpt_ddp.char_dataset import Vocabulary
+from mingpt_ddp.corpus.tokenizer import CharTokenizer
+from mingpt_ddp.model import GPT, GPTConfig
+from mingpt_ddp.tools import sample
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8, dropout=0.0))
+# rank 0 is out of time at once, rank 1 never would be: both must stop after rank 0's first chunk
+seconds = 0 if dist.get_rank() == 0 else 3600
+text = sample.preview(model, CharTokenizer(Vocabulary("\\nabcd")), sys.argv[1], tokens=240, seconds=seconds,
+                      together=True)
+print(f"rank {dist.get_rank()}: " + text.splitlines()[-1])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.dist
+def test_ranks_sampling_together_stop_after_the_same_chunk_by_rank0s_clock(tmp_path):
+    """Under FSDP every rank runs each forward of the closing sample, so a rank that stopped
+    alone would leave the others waiting in a collective: rank 0's clock bounds it for all
+    (unbounded, it took 9 s on an H200 and pushed the GPU check's dcp step past its limit)."""
+    from conftest import TORCHRUN
+    script = tmp_path / "together.py"
+    script.write_text(TOGETHER)
+    done = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", str(script), str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: sampling stopped after {0 if rank == 0 else 3600} s, at 16 of 240 tokens" in done.stdout

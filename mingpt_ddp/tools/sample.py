@@ -142,15 +142,27 @@ def cli(argv: Optional[list[str]] = None) -> None:
 PREVIEW_SECONDS = 0.5
 
 
+def _past(deadline: Optional[float], together: bool, device: torch.device) -> bool:
+    """Whether sampling is out of time; with `together`, rank 0's answer on every rank."""
+    late = deadline is not None and time.monotonic() >= deadline
+    if together:
+        flag = torch.tensor([int(late)], device=device)
+        torch.distributed.broadcast(flag, src=0)
+        late = bool(flag.item())
+    return late
+
+
 @torch.no_grad()
 def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4,
-            seconds: Optional[float] = PREVIEW_SECONDS) -> str:
+            seconds: Optional[float] = PREVIEW_SECONDS, together: bool = False) -> str:
     """A few lines the model just learned to write, and the command that samples more: how a
     run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
     starts where a document starts: after a newline (characters) or <|endoftext|>. At most
-    `tokens`, and no more after `seconds` (None: no time bound; ranks sampling together, as
-    under FSDP, must write the same number). One thread: each token's passes are too small
-    to share, and a thread waiting for a busy core made it 50x slower."""
+    `tokens`, and no more after `seconds` (None: no time bound). `together`: every rank runs
+    each forward (FSDP), so all must stop after the same chunk: rank 0's clock decides and
+    is broadcast after each chunk (an unbounded FSDP sample took 9 s on an H200). One thread
+    on CPU: each token's passes are too small to share, and a thread waiting for a busy core
+    made it 50x slower."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -169,7 +181,7 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 24
         with torch.compiler.set_stance("force_eager"):
             while out.size(1) - 1 < tokens:  # in chunks of 16: the same tokens as one call, the same seed
                 out = model.generate(out, min(16, tokens - out.size(1) + 1), temperature=0.8, generator=generator)
-                if deadline is not None and time.monotonic() >= deadline:
+                if _past(deadline, together, device):
                     break
     finally:
         torch.set_num_threads(threads)
