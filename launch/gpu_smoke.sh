@@ -87,7 +87,7 @@ else
   small=(model=gpt-micro data.block_size=128 trainer.batch_size=16)
   bench=(steps=20 warmup=5) peak=(seconds=0.3) dcp_steps=20 scale=1
   run_steps=(trainer.max_steps=60 trainer.log_every=10 trainer.eval_every=30 trainer.snapshot_every_steps=30)
-  resume_steps=(trainer.max_steps=400 trainer.snapshot_every_steps=40 trainer.log_every=40 trainer.eval_every=200)
+  resume_steps=(trainer.max_steps=200 trainer.snapshot_every_steps=20 trainer.log_every=20 trainer.eval_every=100)
 fi
 short_evals=(trainer.eval_batches=2 trainer.final_eval_batches=2)
 
@@ -134,15 +134,15 @@ step() {  # NAME SECONDS COMMAND...: run one step under its limit and the total'
 train=("${launch[@]}" -m mingpt_ddp.bench train "${model[@]}" "${data[@]}" "${short_evals[@]}" "${bench[@]}")
 ddp=(trainer.ddp_one_process=true trainer.grad_accum_steps=2)
 step api 20 "$py" launch/gpu_smoke.py api "$out/api.json" "$mode"
-step peak 30 "$py" -m mingpt_ddp.bench peak "${model[@]}" "${peak[@]}" "out=$out/peak.json"
-step ddp_eager 35 "${train[@]}" "${ddp[@]}" trainer.compile=false "out=$out/ddp_eager.json"
-step fsdp 35 "${train[@]}" trainer.strategy=fsdp trainer.grad_accum_steps=2 trainer.compile=false "out=$out/fsdp.json"
+step peak 20 "$py" -m mingpt_ddp.bench peak "${model[@]}" "${peak[@]}" "out=$out/peak.json"
+step ddp_eager 30 "${train[@]}" "${ddp[@]}" trainer.compile=false "out=$out/ddp_eager.json"
+step fsdp 30 "${train[@]}" trainer.strategy=fsdp trainer.grad_accum_steps=2 trainer.compile=false "out=$out/fsdp.json"
 step ddp_compiled 100 "${train[@]}" "${ddp[@]}" trainer.compile=true "out=$out/ddp_compiled.json"
 # Eager: the compiled path is timed above; compiling training and evaluation again would not fit.
 step run 45 "${launch[@]}" mingpt_ddp/main.py "${model[@]}" "${data[@]}" trainer.ddp_one_process=true \
   trainer.compile=false "${run_steps[@]}" trainer.eval_batches=4 trainer.final_eval_batches=8 "hydra.run.dir=$out/run"
 # Bit-identical by the docs (docs/fault-tolerance.md): CPU, and GPUs under trainer.deterministic=true.
-step resume 65 "$py" launch/gpu_smoke.py resume "$out/resume" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" \
+step resume 85 "$py" launch/gpu_smoke.py resume "$out/resume" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" \
   "${data[@]}" trainer.ddp_one_process=true trainer.deterministic=true trainer.compile=false "${resume_steps[@]}" \
   "${short_evals[@]}"
 step dcp 50 "$py" launch/gpu_smoke.py dcp "$out/dcp" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" "${data[@]}" \
@@ -156,7 +156,7 @@ if ((dry)); then
   exit 0
 fi
 timeout --kill-after=5 "$report_limit" "$py" launch/gpu_smoke.py report "$out" "$mode" \
-  "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" "$total" "$SECONDS"
+  "$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)" "$total" "$SECONDS"
 rc=$?
 if ((rc == 0)); then
   echo "gpu_smoke: every step passed in ${SECONDS}s; report in $out/report.md"
