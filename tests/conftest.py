@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from leftovers import pytest_configure, pytest_unconfigure  # noqa: F401  (nothing a run starts outlives it)
+from tier_times import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (time by tier)
+import tier_times
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
@@ -31,11 +33,12 @@ TINY = [
 ]
 
 
-TIERS = ("unit", "cli", "dist", "s3", "slurm")  # pyproject.toml describes them; tests/README.md maps them
+TIERS = tier_times.TIERS  # pyproject.toml describes them; tests/README.md maps them
 
 
 def pytest_collection_modifyitems(config, items):
     """Every test names its tier, so that `-m unit` stays the whole in-process set."""
+    tier_times.pytest_collection_modifyitems(items)
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}; see tests/README.md): "

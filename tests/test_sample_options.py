@@ -94,6 +94,7 @@ seconds = 0 if dist.get_rank() == 0 else 3600
 text = sample.preview(model, CharTokenizer(Vocabulary("\\nabcd")), sys.argv[1], tokens=240, seconds=seconds,
                       together=True)
 print(f"rank {dist.get_rank()}: " + text.splitlines()[-1])
+dist.barrier()  # a rank leaving while the other is still in gloo aborts it (distributed.shutdown)
 dist.destroy_process_group()
 """
 
