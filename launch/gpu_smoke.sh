@@ -137,7 +137,7 @@ step api 20 "$py" launch/gpu_smoke.py api "$out/api.json" "$mode"
 step peak 20 "$py" -m mingpt_ddp.bench peak "${model[@]}" "${peak[@]}" "out=$out/peak.json"
 step ddp_eager 30 "${train[@]}" "${ddp[@]}" trainer.compile=false "out=$out/ddp_eager.json"
 step fsdp 30 "${train[@]}" trainer.strategy=fsdp trainer.grad_accum_steps=2 trainer.compile=false "out=$out/fsdp.json"
-step ddp_compiled 100 "${train[@]}" "${ddp[@]}" trainer.compile=true "out=$out/ddp_compiled.json"
+step ddp_compiled 95 "${train[@]}" "${ddp[@]}" trainer.compile=true "out=$out/ddp_compiled.json"
 # Eager: the compiled path is timed above; compiling training and evaluation again would not fit.
 step run 45 "${launch[@]}" mingpt_ddp/main.py "${model[@]}" "${data[@]}" trainer.ddp_one_process=true \
   trainer.compile=false "${run_steps[@]}" trainer.eval_batches=4 trainer.final_eval_batches=8 "hydra.run.dir=$out/run"
@@ -148,15 +148,21 @@ step resume 85 "$py" launch/gpu_smoke.py resume "$out/resume" -- "${launch[@]}" 
 step dcp 50 "$py" launch/gpu_smoke.py dcp "$out/dcp" -- "${launch[@]}" mingpt_ddp/main.py "${small[@]}" "${data[@]}" \
   trainer.strategy=fsdp trainer.compile=false trainer.max_steps=$dcp_steps trainer.log_every=10 trainer.eval_every=1000 \
   "${short_evals[@]}"
-step sample 20 "$py" -m mingpt_ddp.sample "$out/run" "device=$device" max_new_tokens=100
+step sample 25 "$py" -m mingpt_ddp.sample "$out/run" "device=$device" max_new_tokens=100
 
 if ((dry)); then
   printf '[report] (at most %ss) %s launch/gpu_smoke.py report %s %s\n' "$report_limit" "$py" "$out" "$mode"
   echo "total: the step limits sum to $((planned + report_limit))s; the check starts no step past ${total}s (TOTAL_SECONDS)"
   exit 0
 fi
-timeout --kill-after=5 "$report_limit" "$py" launch/gpu_smoke.py report "$out" "$mode" \
-  "$(git describe --always --dirty --abbrev=7 2>/dev/null || echo unknown)" "$total" "$SECONDS"
+# The tree that ran: its commit, "-dirty" where anything differs from it (untracked files too),
+# "unknown" where this checkout is not a repository of its own (a copy inside another one).
+commit=unknown
+if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$repo" ]; then
+  commit=$(git rev-parse --short=7 HEAD 2>/dev/null || echo unknown)
+  [ -n "$(git status --porcelain 2>/dev/null | head -1)" ] && commit=$commit-dirty
+fi
+timeout --kill-after=5 "$report_limit" "$py" launch/gpu_smoke.py report "$out" "$mode" "$commit" "$total" "$SECONDS"
 rc=$?
 if ((rc == 0)); then
   echo "gpu_smoke: every step passed in ${SECONDS}s; report in $out/report.md"

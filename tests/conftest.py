@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from leftovers import pytest_configure, pytest_unconfigure  # noqa: F401  (nothing a run starts outlives it)
-from tier_times import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (time by tier)
+from tier_times import (pytest_runtest_logreport, pytest_runtest_teardown, pytest_sessionstart,  # noqa: F401
+                        pytest_terminal_summary)  # (time by tier)
 import tier_times
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,6 @@ TIERS = tier_times.TIERS  # pyproject.toml describes them; tests/README.md maps 
 
 def pytest_collection_modifyitems(config, items):
     """Every test names its tier, so that `-m unit` stays the whole in-process set."""
-    tier_times.pytest_collection_modifyitems(items)
     untiered = [item.nodeid for item in items if not any(item.get_closest_marker(t) for t in TIERS)]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}; see tests/README.md): "

@@ -1,7 +1,7 @@
 """launch/gpu_smoke.sh, the GPU check (docs/gpu-check.md): its plan fits 7 minutes on one GPU,
 it refuses in one line without its dependencies, it stops starting steps at its total, its
 CPU rehearsal passes with any interpreter (no .venv), and its report judges every step by a
-criterion, not an exit code. It has not run on a GPU: none was lent to this project yet."""
+criterion, not an exit code. Its first GPU runs (an H200) are in benchmarks/RESULTS.md."""
 from __future__ import annotations
 
 import importlib.util

@@ -176,11 +176,12 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 24
     if device.type == "cpu":
         torch.set_num_threads(1)
     deadline = None if seconds is None else time.monotonic() + seconds
+    chunk = 4 if together else 16  # together: each token all-gathers the model's shards, so shorter chunks
     try:
         # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
         with torch.compiler.set_stance("force_eager"):
-            while out.size(1) - 1 < tokens:  # in chunks of 16: the same tokens as one call, the same seed
-                out = model.generate(out, min(16, tokens - out.size(1) + 1), temperature=0.8, generator=generator)
+            while out.size(1) - 1 < tokens:  # in chunks: the same tokens as one call, the same seed
+                out = model.generate(out, min(chunk, tokens - out.size(1) + 1), temperature=0.8, generator=generator)
                 if _past(deadline, together, device):
                     break
     finally:
