@@ -81,7 +81,7 @@ def test_the_closing_sample_is_bounded_in_time_and_says_so(tmp_path):
 
 
 TOGETHER = """
-import sys, torch, torch.distributed as dist
+import gc, os, sys, torch, torch.distributed as dist
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus.tokenizer import CharTokenizer
 from mingpt_ddp.model import GPT, GPTConfig
@@ -93,9 +93,13 @@ model = GPT(GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8,
 seconds = 0 if dist.get_rank() == 0 else 3600
 text = sample.preview(model, CharTokenizer(Vocabulary("\\nabcd")), sys.argv[1], tokens=240, seconds=seconds,
                       together=True)
-print(f"rank {dist.get_rank()}: " + text.splitlines()[-1])
-dist.barrier()  # a rank leaving while the other is still in gloo aborts it (distributed.shutdown)
+print(f"rank {dist.get_rank()}: " + text.splitlines()[-1], flush=True)
+# as distributed.shutdown and main.py end: gloo's threads still holding work objects abort an
+# interpreter that finalises ("terminate called without an active exception")
+dist.barrier()
 dist.destroy_process_group()
+gc.collect()
+os._exit(0)
 """
 
 

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import signal
 import subprocess
 import time
@@ -328,8 +329,8 @@ def test_rank0_killed_between_the_shards_and_the_commit_leaves_the_previous_snap
             assert time.monotonic() < deadline and proc.poll() is None, log_path.read_text()
             time.sleep(0.05)
         assert {".metadata", META, "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(unfinished))
-        rank0 = next(int(line.split()[3]) for line in log_path.read_text().splitlines()
-                     if line.startswith("rank 0 pid "))
+        # the two ranks' lines can interleave in the shared log ("rank 0 pid 10706rank 1 pid ...")
+        rank0 = int(re.search(r"rank 0 pid (\d+)", log_path.read_text())[1])
         os.kill(rank0, signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
