@@ -211,7 +211,11 @@ def test_s3_down_for_good_stops_the_run_with_a_clear_error_within_the_limit(tmp_
     text = log.read_text()
     assert proc.returncode != 0
     errors = [line for line in text.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: saving snapshots to {url} has failed for 0.2 minutes"), text
+    failed_for = re.match(rf"error: saving snapshots to {re.escape(url)} has failed for ([0-9.]+) minutes \(", errors[0]) \
+        if len(errors) == 1 else None
+    assert failed_for, text
+    # at least the limit; more when a slow machine reaches the next agreement point late (CI: 0.3)
+    assert 0.2 <= float(failed_for.group(1)) <= stopped_after / 60 + 0.1, (failed_for.group(1), stopped_after)
     assert f"Newest snapshot saved by this run: s3://{bucket}/runs/down/snapshot.step" in errors[0]
     assert 11 <= stopped_after < 12 + 90, stopped_after  # the limit is 12 s
     assert no_worker_traceback(text), text
