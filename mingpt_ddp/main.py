@@ -429,7 +429,7 @@ def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
                      corpus_changed: Optional[str] = None) -> Optional[TrainState]:
     """The snapshot's state if it ended its run (under this config's limits), else None.
     `corpus_changed`: how the corpus differs from the one it was trained on (corpus/identity.py)."""
-    lifted = time_budget.lift_changed_plan(found.snapshot, cfg.trainer.time_budget_minutes)
+    lifted = time_budget.lift_changed_plan(found.snapshot, cfg.trainer.time_budget_minutes, cfg.optimizer)
     if lifted and dist.is_main:
         log.info(lifted)
     state = TrainState(**found.snapshot["train_state"])
@@ -591,7 +591,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             horizon = lr_horizon(cfg, found.snapshot, trainer.total_steps, resume)
             if horizon:
                 metrics.note(horizon)
-        metrics.total_steps = trainer.total_steps
+        metrics.total_steps = None if trainer.plan_pending else trainer.total_steps  # shown once planned
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))

@@ -25,10 +25,10 @@ class MetricsLog:
     `sinks` (loggers.py: TensorBoard, MLflow, W&B). Only rank 0 makes one with `enabled=True`.
     """
 
-    def __init__(self, path: Optional[str], enabled: bool, total_steps: int,
+    def __init__(self, path: Optional[str], enabled: bool, total_steps: Optional[int],
                  sinks: Sequence[loggers.Sink] = ()):
         self.enabled = enabled
-        self.total_steps = total_steps
+        self.total_steps = total_steps  # None: not known yet (a time budget plans it after the first steps)
         self.interactive = enabled and sys.stderr.isatty()
         self._clock = time.monotonic
         self._opened = self._clock()
@@ -56,7 +56,7 @@ class MetricsLog:
 
     def _show_progress(self, r: dict[str, Any]) -> None:
         text = (
-            f"step {r['step']}/{self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
+            f"step {r['step']}/{'? (planning)' if self.total_steps is None else self.total_steps} epoch {r['epoch']} | train_loss {r['train_loss']:.4f} "
             f"| lr {r['lr']:.2e} | {r['tokens_per_s']:,.0f} tok/s"
             + (f", {r['wall_tokens_per_s']:,.0f} wall tok/s" if r.get("wall_tokens_per_s") is not None else "")
             + (" (includes compiling)" if r.get("includes_compile") else "")
@@ -64,7 +64,7 @@ class MetricsLog:
             + f" | {self._elapsed_and_eta(r['step'])}"
         )
         if self.interactive:
-            filled = int(30 * r["step"] / max(1, self.total_steps))
+            filled = 0 if self.total_steps is None else min(30, int(30 * r["step"] / max(1, self.total_steps)))
             sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {text}\033[K")
             sys.stderr.flush()
         else:
@@ -79,7 +79,7 @@ class MetricsLog:
             self._first_progress = (now, step)
             return f"{elapsed} eta --"
         then, first_step = self._first_progress
-        if step <= first_step or now <= then:
+        if step <= first_step or now <= then or self.total_steps is None:
             return f"{elapsed} eta --"
         left = (self.total_steps - step) * (now - then) / (step - first_step)
         return f"{elapsed} eta {format_duration(max(0.0, left))}"

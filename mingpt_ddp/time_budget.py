@@ -1,53 +1,83 @@
 """`trainer.time_budget_minutes`: plan the run's steps from the measured pace so that
-training ends within the budget.
+training ends within the budget, and revise the plan as the pace changes.
 
-A step callback. Until the plan is made the run trains with the step count its epochs give;
-at the first log step after it has seen enough steps (5% of the budget, or 50 steps), rank 0
-turns the pace since training started into a number of steps that fits what is left of the
-budget, less a reserve for the evaluations still to come (their forward passes at the
-measured pace, with a 50% margin) and 2% for the last snapshot, and broadcasts it. The
-plan is kept in TrainState, so it is in every later snapshot: a resume continues the same
-schedule (the cosine horizon is the plan) instead of planning again on another machine.
-A plan belongs to the budget it was made for: resumed with another trainer.time_budget_minutes
-(null: max_epochs/max_steps decide) the plan is lifted, which is how a finished budgeted run
-is trained further.
+A step callback. Until the plan is made the run trains with the step count its epochs give
+(shown as "step N/? (planning)"); at the first log step after it has seen enough steps (5%
+of the budget, or 50 steps) and at every log step after it, rank 0 turns the recent pace
+(the last 5% of the budget, at least 10 steps, its slowest step left out: a load that came
+and went is forgotten, one slow step changes nothing) into a number of steps that fits what
+is left of the budget (wall time since this launch's first step), less a reserve for the
+evaluations still to come (their forward passes at that pace, with a 50% margin) and 2% for
+the last snapshot, and broadcasts it. A revision moves the LR's horizon with the LR
+continuous (trainer.move_horizon: the cosine keeps its progress and spreads the rest over
+the steps now left).
+
+The plan and the schedule's bends are kept in TrainState, so they are in every later
+snapshot. A resume with the same budget keeps the snapshot's plan and revises it no further:
+this launch has no clock for the time the run spent before it, and so the resume trains
+the schedule the snapshot recorded, bit for bit. A plan belongs to the budget it was made
+for: resumed with another trainer.time_budget_minutes (null: max_epochs/max_steps decide)
+the plan is lifted, which is how a finished budgeted run is trained further: its LR, at the
+floor, warms up again over optimizer.warmup_steps and decays over the new length
+(trainer.warm_up_again); a run lifted before its plan's end decays on from where it is.
 """
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
+from dataclasses import asdict
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mingpt_ddp import distributed
+from mingpt_ddp.trainer import TrainState, keep_progress, warm_up_again
 
 if TYPE_CHECKING:
-    from mingpt_ddp.trainer import Trainer, TrainState
+    from mingpt_ddp.config import OptimizerConfig
+    from mingpt_ddp.trainer import Trainer
 
 RESERVE = 0.02  # of the budget, for the final snapshot and the end of the run
 FORWARD_SHARE = 1 / 3  # a forward pass costs about a third of a training step per window
 EVALUATION_MARGIN = 1.5  # evaluations reserved for, over their estimate
 CALIBRATION_SHARE = 0.05  # of the budget spent measuring the pace, at most
 CALIBRATION_STEPS = 50  # ... or this many steps, whichever comes first
+WINDOW_SHARE = 0.05  # the pace is that of the last 5% of the budget ...
+WINDOW_STEPS = 10  # ... and at least this many steps (their slowest one left out)
+ANNOUNCE_CHANGE = 0.1  # a revision is logged when the plan moved by more than this since the last one logged
 
 
 def _budget(minutes: Optional[float]) -> str:
     return "none" if minutes is None else f"{minutes:g} min"
 
 
-def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float]) -> Optional[str]:
+def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float],
+                      optim_cfg: Optional["OptimizerConfig"] = None) -> Optional[str]:
     """Drop the snapshot's plan (its train state's planned_steps) when
     trainer.time_budget_minutes is not the budget it was planned for: with none,
     max_epochs/max_steps decide; with another, that many minutes are planned afresh from
-    this launch's pace. Returns a note saying so, or None when the plan stands."""
+    this launch's pace. The LR schedule (with `optim_cfg`, this run's optimizer settings)
+    warms up again where the plan had ended, else decays on from its progress at this step
+    over the new length. Returns a note saying so, or None when the plan stands."""
     state, saved = snapshot["train_state"], snapshot.get("config", {}).get("trainer", {})
     plan = state.get("planned_steps")
     if plan is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
         return None
-    state["planned_steps"] = None
+    train = TrainState(**state)
+    train.planned_steps = None
+    schedule = ""
+    if optim_cfg is not None and optim_cfg.decay_steps is None:
+        if train.step >= plan:  # at the LR floor: jumping back to the peak undid training (loss 3.90 -> 4.11)
+            warm_up_again(train)
+            schedule = f"; the LR warms up again from step {train.step} over optimizer.warmup_steps"
+        else:
+            keep_progress(train, optim_cfg, snapshot.get("total_steps") or plan)
+            schedule = "; the LR decays on from where it is"
+    state.update(asdict(train))
     then = ("trainer.max_epochs/max_steps decide how far it trains" if minutes is None
             else f"{minutes:g} more minutes are planned from the pace of this launch")
     return (f"time budget changed from {_budget(saved['time_budget_minutes'])} to {_budget(minutes)}: its plan of {plan} "
-            f"steps is lifted and {then} (the LR schedule follows the new length)")
+            f"steps is lifted and {then} (the LR schedule follows the new length{schedule})")
 
 
 def how_to_extend(state: "TrainState", minutes: Optional[float]) -> str:
@@ -63,30 +93,57 @@ class TimeBudget:
         self._clock = clock
         self._started = clock()
         self._start_step: int | None = None
-        self._pace_started: float | None = None  # when the pace measurement began (default: at start)
+        self._kept = False  # a plan this launch found in its snapshot (a resume): kept as it is
+        self._points: deque[tuple[int, float]] = deque()  # (step, time) of the recent steps
+        self._announced: Optional[int] = None  # the plan last logged
 
     def __call__(self, trainer: "Trainer") -> None:
         state = trainer.state
-        if state.planned_steps is not None:
-            return
         if self._start_step is None:  # the first step of this process (a resume starts later)
-            # The pace counts from the end of this step: its one-time costs (thread pools,
-            # allocations) made short budgets plan 15-20% too few steps.
-            self._start_step, self._pace_started = state.step, self._clock()
+            self._kept = state.planned_steps is not None
+        if self._kept:
             return
-        if state.step % trainer.cfg.log_every:
-            return
+        self.observe(state.step)
+        if state.step != self._start_step and state.step % trainer.cfg.log_every == 0:
+            self._revise(trainer)
+        if trainer.finished and state.planned_steps is not None:
+            spent = self._clock() - self._started
+            trainer.metrics.note(f"time budget {self.budget_s / 60:g} min: training ends at step {state.step}, "
+                                 f"{spent:.1f} s ({100 * spent / self.budget_s:.0f}%) into the budget")
+
+    def _revise(self, trainer: "Trainer") -> None:
+        """Plan (or plan again) at a log step: rank 0 decides, every rank takes its plan."""
+        state = trainer.state
         plan = distributed.broadcast_object(self._plan_with_evaluations(trainer) if trainer.dist.is_main else None)
         if plan is None:
             return
-        state.planned_steps = plan
-        trainer.total_steps = trainer.planned_steps()
-        trainer.metrics.total_steps = trainer.total_steps
-        trainer.metrics.note(
-            f"time budget {self.budget_s / 60:g} min: {self.steps_per_s(state.step):.2f} steps/s over "
-            f"{state.step - self._start_step} steps after the first -> {plan} steps planned; {trainer.total_steps} will run "
-            "(the plan is saved with the snapshots, so a resume keeps it)"
-        )
+        before = state.planned_steps
+        if plan != before:
+            trainer.set_plan(plan)
+        if before is None:
+            trainer.metrics.note(
+                f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s over the last "
+                f"{self._points[-1][0] - self._points[0][0]} steps -> {plan} steps planned; {trainer.total_steps} will "
+                "run (revised as the pace changes; the plan is saved with the snapshots, so a resume keeps it)")
+            self._announced = plan
+        elif self._announced is not None and abs(plan - self._announced) > ANNOUNCE_CHANGE * self._announced:
+            trainer.metrics.note(
+                f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s now -> plan revised from "
+                f"{self._announced} to {plan} steps; {trainer.total_steps} will run (the LR decays on from where it is)")
+            self._announced = plan
+
+    def observe(self, step: int) -> None:
+        """The end of `step` (after the first step of this process: its one-time costs, thread
+        pools and allocations, made short budgets plan 15-20% too few steps)."""
+        now = self._clock()
+        if self._start_step is None:
+            self._start_step = step
+        points = self._points
+        points.append((step, now))
+        window = WINDOW_SHARE * self.budget_s
+        # the oldest point goes once the window holds enough without it (one step to leave out)
+        while len(points) > WINDOW_STEPS + 2 and now - points[1][1] >= window:
+            points.popleft()
 
     def _plan_with_evaluations(self, trainer: "Trainer"):
         """The plan, with the evaluations it will run (periodic, epoch ends, the final one)
@@ -96,20 +153,27 @@ class TimeBudget:
         first = self.plan(step, final)
         if first is None:
             return None
-        evaluations = (first // trainer.cfg.eval_every - step // trainer.cfg.eval_every
-                       + (first - step) // max(1, trainer.steps_in_epoch(trainer.state.epoch)))
+        per_epoch = max(1, trainer.steps_in_epoch(trainer.state.epoch))
+        epoch_left = per_epoch - trainer.state.epoch_position // trainer.global_batch  # steps to this epoch's end
+        epoch_ends = 0 if first - step < epoch_left else 1 + (first - step - epoch_left) // per_epoch
+        evaluations = first // trainer.cfg.eval_every - step // trainer.cfg.eval_every + epoch_ends
         return self.plan(step, final + evaluations * per_step * trainer.eval_windows())
 
-    def steps_per_s(self, step: int) -> float:
-        since = self._started if self._pace_started is None else self._pace_started
-        return (step - self._start_step) / max(1e-9, self._clock() - since)
+    def pace(self) -> float:
+        """Steps per second over the recent window, its slowest step left out."""
+        pairs = [(s1 - s0, t1 - t0) for (s0, t0), (s1, t1) in zip(self._points, islice(self._points, 1, None))]
+        steps, seconds = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+        if len(pairs) > WINDOW_STEPS:
+            slowest = max(pairs, key=lambda p: p[1] / max(1, p[0]))
+            steps, seconds = steps - slowest[0], seconds - slowest[1]
+        return steps / max(1e-9, seconds)
 
     def plan(self, step: int, final_eval_steps: float = 0.0):
         """The run's total steps once the pace is known; None while still measuring.
-        `final_eval_steps`: the final evaluation's work, in training steps."""
+        `final_eval_steps`: the evaluations' work still to come, in training steps."""
         elapsed = self._clock() - self._started
         if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
             return None
-        pace = self.steps_per_s(step)
+        pace = self.pace()
         left = (1.0 - RESERVE) * self.budget_s - elapsed - EVALUATION_MARGIN * final_eval_steps / pace
         return max(step, step + math.floor(left * pace))

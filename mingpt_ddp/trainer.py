@@ -67,6 +67,13 @@ class TrainState:
     # Training is over and this state saved, its final evaluation not yet done: not a finished
     # run (main.finished_earlier); the next start runs only the final evaluation and saves again.
     final_eval_pending: bool = False
+    # The LR schedule's bends (lr_at), kept so that a resume computes the LR the unbroken run did.
+    # The step its warm-up starts from: 0, or where a finished budgeted run was continued.
+    lr_warmup_from: int = 0
+    # Where the horizon last moved (a time budget's revised plan): the cosine's progress at that
+    # step, which the steps after it go on from.
+    lr_anchor_step: Optional[int] = None
+    lr_anchor_progress: float = 0.0
 
 
 def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
@@ -74,13 +81,51 @@ def is_finished(state: TrainState, cfg: TrainerConfig) -> bool:
             or (state.planned_steps is not None and state.step >= state.planned_steps))
 
 
-def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int) -> float:
-    """Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps` (or the plan's end)."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, (cfg.decay_steps or planned_steps) - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+def lr_at(step: int, cfg: OptimizerConfig, planned_steps: int, state: Optional[TrainState] = None) -> float:
+    """Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_steps` (or the plan's end).
+    `state`'s bends (none in a run that never moved its horizon): a continued run warms up again
+    from min_lr at lr_warmup_from, and after a moved horizon the cosine goes on from its progress
+    at lr_anchor_step. optimizer.decay_steps fixes the schedule: no bends."""
+    if cfg.decay_steps is not None or state is None:
+        state = TrainState()
+    start = state.lr_warmup_from
+    if step < start + cfg.warmup_steps:
+        if start == 0:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        return cfg.min_lr + (cfg.lr - cfg.min_lr) * (step - start + 1) / cfg.warmup_steps
+    progress = cosine_progress(step, cfg, planned_steps, state)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)
+
+
+def cosine_progress(step: int, cfg: OptimizerConfig, planned_steps: int, state: TrainState) -> float:
+    """How far (0-1) the decay is at `step` of a schedule whose end is `planned_steps`."""
+    begins = state.lr_warmup_from + cfg.warmup_steps
+    anchor = state.lr_anchor_step
+    if anchor is not None and step >= anchor >= begins:
+        done = state.lr_anchor_progress
+        return min(1.0, done + (1.0 - done) * (step - anchor) / max(1, planned_steps - anchor))
+    span = max(1, (cfg.decay_steps or planned_steps) - begins)
+    return min(1.0, (step - begins) / span)
+
+
+def move_horizon(state: TrainState, cfg: OptimizerConfig, before: int, after: int) -> None:
+    """The schedule's end moves from `before` to `after` steps at state.step, the LR continuous:
+    the cosine keeps its progress there and spreads the rest over the steps now left. Nothing
+    to keep in warm-up (the cosine has not begun) or under optimizer.decay_steps."""
+    if after != before:
+        keep_progress(state, cfg, before)
+
+
+def keep_progress(state: TrainState, cfg: OptimizerConfig, horizon: int) -> None:
+    """Anchor the cosine at state.step with its progress under `horizon`, the end so far."""
+    if cfg.decay_steps is None and state.step >= state.lr_warmup_from + cfg.warmup_steps:
+        state.lr_anchor_progress = cosine_progress(state.step, cfg, horizon, state)
+        state.lr_anchor_step = state.step
+
+
+def warm_up_again(state: TrainState) -> None:
+    """A run continued past its end (at the LR floor): warm up from here, then decay anew."""
+    state.lr_warmup_from, state.lr_anchor_step, state.lr_anchor_progress = state.step, None, 0.0
 
 
 def rng_state() -> dict[str, Any]:
@@ -270,6 +315,21 @@ class Trainer:
     def finished(self) -> bool:
         return is_finished(self.state, self.cfg)
 
+    @property
+    def plan_pending(self) -> bool:
+        """A time budget will plan the steps after the first ones: until then total_steps is
+        only the epochs' cap (a horizon for the LR, not a total to show)."""
+        return bool(self.cfg.time_budget_minutes) and self.state.planned_steps is None
+
+    def set_plan(self, planned_steps: int) -> None:
+        """A time budget's (revised) plan: the run ends there and the LR's decay with it,
+        continuing from where it is (move_horizon). The same on every rank (broadcast)."""
+        before = self.total_steps
+        self.state.planned_steps = planned_steps
+        self.total_steps = self.planned_steps()
+        move_horizon(self.state, self.optim_cfg, before, self.total_steps)
+        self.metrics.total_steps = self.total_steps
+
     # ---- snapshots -------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs, as tensors and plain types (weights_only-loadable)."""
@@ -404,7 +464,7 @@ class Trainer:
             yield group
 
     def _optimizer_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        lr = lr_at(self.state.step, self.optim_cfg, self.total_steps)
+        lr = lr_at(self.state.step, self.optim_cfg, self.total_steps, self.state)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total_loss = torch.zeros((), device=self.device)
@@ -486,7 +546,9 @@ class Trainer:
             f"training {self.model.num_params(non_embedding=False):,} parameters on {self.dist.world_size} "
             f"process(es) ({self.device.type}, {self.dist.backend}, {self.precision.name}): global batch "
             f"{self.global_batch} x {self.block_size} tokens = {self.micro_batch} per process x "
-            f"{self.accum_steps} accumulation x {self.dist.world_size}; {self.total_steps} steps planned"
+            f"{self.accum_steps} accumulation x {self.dist.world_size}; "
+            + ("steps planned by the time budget after the first steps" if self.plan_pending
+               else f"{self.total_steps} steps planned")
         )
         if not self.finished:  # this config trains further than the end whose evaluation was pending
             self.state.final_eval_pending = False
