@@ -67,7 +67,9 @@ def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float],
     train.planned_steps = None
     schedule = ""
     if optim_cfg is not None and optim_cfg.decay_steps is None:
-        if train.step >= plan:  # at the LR floor: jumping back to the peak undid training (loss 3.90 -> 4.11)
+        if train.step < train.lr_warmup_from + optim_cfg.warmup_steps:  # ended in its warm-up: it goes on
+            pass
+        elif train.step >= plan:  # at the LR floor: jumping back to the peak undid training (loss 3.90 -> 4.11)
             warm_up_again(train)
             schedule = f"; the LR warms up again from step {train.step} over optimizer.warmup_steps"
         else:
@@ -129,7 +131,7 @@ class TimeBudget:
         elif self._announced is not None and abs(plan - self._announced) > ANNOUNCE_CHANGE * self._announced:
             trainer.metrics.note(
                 f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s now -> plan revised from "
-                f"{self._announced} to {plan} steps; {trainer.total_steps} will run (the LR decays on from where it is)")
+                f"{self._announced} to {plan} steps; {trainer.total_steps} will run (the LR schedule follows, continuous at this step)")
             self._announced = plan
 
     def observe(self, step: int) -> None:

@@ -18,7 +18,7 @@ Invariants a change here must keep:
   go through the agreement first.
 - Bit-identical resume. A snapshot holds everything the next step depends on: model and
   optimizer state, scaler, TrainState (epoch, step, position in the epoch, the time budget's
-  plan), every rank's RNG state and the global batch. The data order is a function of
+  plan and the LR schedule's bends), every rank's RNG state and the global batch. The data order is a function of
   (seed, epoch) and the position in the epoch, never of how many steps this process ran;
   nothing random may be drawn outside the RNG streams the snapshot restores, and a resumed
   run must take the same branches at the same steps as an uninterrupted one.

@@ -194,6 +194,12 @@ def test_continuing_a_finished_budgeted_run_warms_up_again(trainer):
     finished_earlier(cfg, dist, found)
     resumed = TrainState(**found.snapshot["train_state"])
     assert lr_at(150, cfg.optimizer, horizon, resumed) == pytest.approx(lr_at(150, cfg.optimizer, end))
+    # A plan that ended within the warm-up (a very slow machine) left the LR below the peak: the warm-up goes on.
+    short = asdict(TrainState(step=WARMUP // 2, planned_steps=WARMUP // 2))
+    found = AgreedSnapshot({"train_state": short, "config": then, "total_steps": WARMUP // 2}, "run/snapshot.pt")
+    finished_earlier(cfg, dist, found)
+    continued = TrainState(**found.snapshot["train_state"])
+    assert lr_at(WARMUP // 2, cfg.optimizer, horizon, continued) == pytest.approx(PEAK * (WARMUP // 2 + 1) / WARMUP)
 
 
 @pytest.mark.unit
