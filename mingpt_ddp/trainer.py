@@ -167,7 +167,7 @@ class Trainer:
                         "to train faster here", setting, self.precision.name, peak.slowdown, self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         profiling.mark("strategy, optimizer, matmul peak")
-        self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
+        self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs, 10 on CPUs
         self._last_saved: Optional[tuple[dict[str, Any], Any]] = None  # (TrainState, failed_check) last saved
         self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
         self._last_save_time = time.monotonic()
