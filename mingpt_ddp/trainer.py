@@ -525,6 +525,9 @@ class Trainer:
                 )
                 return None
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
+                # said first: on a busy CPU it can take as long as the training did
+                self.metrics.note(f"evaluating {self.eval_windows(final=True):,} validation windows "
+                                  "(trainer.final_eval_batches) ...")
                 self.evaluate(final=True)
             profiling.mark("final evaluation")
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
