@@ -32,6 +32,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_MINUTES = 5.0
 RANK0_WAIT_MARGIN_MINUTES = 5.0
 # trainer.snapshot_every_minutes=null on GPUs: an hours-long epoch is not hours of work at risk.
 GPU_SNAPSHOT_EVERY_MINUTES = 30.0
+# The same on CPUs, where an epoch is long too and a second Ctrl-C stops without a snapshot:
+# GPT-2 size (124M parameters) costs ~5.6 s per snapshot on a 2-core CPU (host copy + write),
+# 1% of 10 minutes; the default gpt-mini 0.08 s (issue 32, /tmp/h-stops/save_cost.py).
+CPU_SNAPSHOT_EVERY_MINUTES = 10.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
@@ -161,7 +165,7 @@ class TrainerConfig:
     save_every: int = 1
     snapshot_every_steps: Optional[int] = None
     # Also snapshot every N minutes of wall time (rank 0's clock); null: every
-    # GPU_SNAPSHOT_EVERY_MINUTES on GPUs, never on CPUs; 0: never.
+    # GPU_SNAPSHOT_EVERY_MINUTES on GPUs, CPU_SNAPSHOT_EVERY_MINUTES on CPUs; 0: never.
     snapshot_every_minutes: Optional[float] = None
     keep_last: int = 2
     snapshot_path: Optional[str] = None
@@ -543,7 +547,8 @@ def validate(cfg: Any) -> None:
         _positive(t.snapshot_every_steps, "trainer.snapshot_every_steps", "or set it to null")
     if t.snapshot_every_minutes is not None and t.snapshot_every_minutes < 0:
         raise ConfigError(f"trainer.snapshot_every_minutes={t.snapshot_every_minutes} must be >= 0 (0: never; "
-                          f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, never on CPUs)")
+                          f"null: every {GPU_SNAPSHOT_EVERY_MINUTES:g} minutes on GPUs, "
+                          f"{CPU_SNAPSHOT_EVERY_MINUTES:g} on CPUs)")
     if t.ddp_bucket_cap_mb is not None:
         _positive(t.ddp_bucket_cap_mb, "trainer.ddp_bucket_cap_mb", "set it to the DDP bucket size in MiB, e.g. 100, or null")
     if t.profile and not (len(t.profile_steps) == 2 and 0 <= t.profile_steps[0] < t.profile_steps[1]):
@@ -623,5 +628,5 @@ def snapshot_every_minutes(t: Any, device_type: str) -> Optional[float]:
     """trainer.snapshot_every_minutes as it applies on `device_type`: None for never."""
     minutes = t.snapshot_every_minutes
     if minutes is None:
-        return GPU_SNAPSHOT_EVERY_MINUTES if device_type == "cuda" else None
+        return GPU_SNAPSHOT_EVERY_MINUTES if device_type == "cuda" else CPU_SNAPSHOT_EVERY_MINUTES
     return float(minutes) if minutes > 0 else None

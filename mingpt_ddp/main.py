@@ -57,16 +57,31 @@ def _launch_rank() -> str:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
 
 
-def _stop_at_once_on_ctrl_c(signum, frame) -> None:
-    """Ctrl-C outside training (start-up, the end of a run): one line, no traceback from
-    every rank. During training the trainer turns Ctrl-C into a stop with a snapshot."""
+# Where the process is outside training, for the line a stop signal there prints.
+STARTING = "during start-up: stopped at once (nothing new trained yet)"
+AFTER_TRAINING = "after training: stopped at once (its last snapshot is saved)"
+BETWEEN_POINTS = "between sweep points: stopped at once (the finished points are saved; the same command resumes)"
+_outside_training = STARTING
+
+
+def stop_at_once(signum, frame) -> None:
+    """Ctrl-C outside training (start-up, the closing sample, between the points of a
+    sweep): one line saying where, no traceback from every rank. During training the
+    trainer turns Ctrl-C into a stop with a snapshot. (SIGTERM there keeps its default
+    action, death at once: a Python handler would wait for a blocking call, a rendezvous
+    or a store wait, to return.)"""
     if _launch_rank() == "0":
-        os.write(2, b"interrupted: stopped at once (outside training there is nothing new to save)\n")
+        os.write(2, f"Ctrl-C {_outside_training}\n".encode())
     os._exit(INTERRUPTED_EXIT_CODE)
 
 
+def _outside(where: str) -> None:
+    global _outside_training
+    _outside_training = where
+
+
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, _stop_at_once_on_ctrl_c)
+    signal.signal(signal.SIGINT, stop_at_once)
     # SIGUSR1 from now on asks for a stop (acted on at the first agreement of the ranks), even
     # during start-up or between the points of a sweep.
     record_stop_signals()
@@ -599,8 +614,11 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         profiling.mark("trainer ready (trackers, wrapping, optimizer)")
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
+        _outside(AFTER_TRAINING)
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
+            if dist.is_main:
+                metrics.note(sample.preview_line())
             # the same text on every rank (same seed; where they sample together rank 0's clock bounds it)
             preview = sample.preview(model, tok, run_dir, together=trainer.strategy.collective_forward)
             if dist.is_main:
@@ -784,6 +802,8 @@ def main(cfg: DictConfig) -> Optional[float]:
         _report_error(lost)  # a peer or the network is gone: one line, no traceback
         sys.exit(distributed.LOST_PEERS_EXIT_CODE)
     finally:
+        if in_sweep:
+            _outside(BETWEEN_POINTS)
         gc.collect()  # a sweep's next point starts without this one's model and optimizer
         distributed.release_cached_memory()
     if status == "finished earlier":

@@ -4,7 +4,8 @@ Slurm sends SIGUSR1 (``--signal=USR1@<seconds>``) or SIGTERM before a time limit
 preemption; torchrun forwards SIGTERM to its workers when it is told to stop; Ctrl-C in a
 terminal sends SIGINT to every process of the job. The handler only records the request;
 the trainer acts on it at a step boundary, after all ranks agreed on the step (a signal
-reaches ranks at different moments), and saves a snapshot. A second Ctrl-C aborts at once;
+reaches ranks at different moments), and saves a snapshot; rank 0 says so at once on the
+first Ctrl-C (FIRST_CTRL_C), which a person would otherwise press again. A second Ctrl-C aborts at once;
 so does a second stop signal of any kind while the last snapshot is still being saved (a
 failing store is retried for trainer.save_retry_minutes, longer than a scheduler's grace
 period), naming the newest snapshot that was saved.
@@ -12,8 +13,9 @@ period), naming the newest snapshot that was saved.
 Outside training (start-up, the end of a run, between the points of a sweep) SIGUSR1, the
 scheduler's warning with time to spare, is recorded too (`record_stop_signals`): one that
 arrives before training is acted on at the first agreement, one after it ends a sweep
-before its next point. SIGTERM and Ctrl-C there end the process at once: there is nothing
-new to save (a SIGTERM that arrives after training's last agreement ends a sweep likewise).
+before its next point. SIGTERM and Ctrl-C there end the process at once (Ctrl-C with one
+line from rank 0 saying where, main.stop_at_once): there is nothing new to save (a SIGTERM
+that arrives after training's last agreement ends a sweep likewise).
 """
 from __future__ import annotations
 
@@ -31,6 +33,10 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 # leave workers in the terminal's process group forward a SIGINT they already got), not a
 # person pressing it again.
 SAME_CTRL_C_SECONDS = 1.0
+# What a first Ctrl-C during training does, said at once: the ranks act on it at their next
+# agreement (up to trainer.stop_check_seconds later), a person would press again meanwhile.
+FIRST_CTRL_C = ("Ctrl-C: stopping with a snapshot after the step the ranks agree on next (within "
+                "trainer.stop_check_seconds); press Ctrl-C again to stop at once, without one")
 
 
 _received = 0  # a stop signal not acted on yet: received outside training, or after its last agreement
@@ -167,6 +173,8 @@ class StopRequest:
             return
         if signum == signal.SIGINT and self._first_interrupt is None:
             self._first_interrupt = now
+            if not self.signum:  # at once: the ranks act on it only at their next agreement
+                self._say(FIRST_CTRL_C)
         if not self.signum:
             self.signum = signum
 

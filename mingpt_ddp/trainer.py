@@ -212,7 +212,7 @@ class Trainer:
                         "to train faster here", setting, self.precision.name, peak.slowdown, self.precision.name)
         self.datasheet_peak_flops = datasheet_peak_flops(self.device, self.precision.dtype)
         profiling.mark("strategy, optimizer, matmul peak")
-        self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs
+        self.snapshot_every_minutes = snapshot_every_minutes(cfg, self.device.type)  # null: 30 on GPUs, 10 on CPUs
         self._last_saved: Optional[tuple[dict[str, Any], Any]] = None  # (TrainState, failed_check) last saved
         self._batches_left = 0  # optimizer steps the epoch in progress had left when step_batches() began it
         self._last_save_time = time.monotonic()
@@ -587,6 +587,9 @@ class Trainer:
                 )
                 return None
             if self._evaluated_at != self.state.step or self._evaluated_windows < self.eval_windows(final=True):
+                # said first: on a busy CPU it can take as long as the training did
+                self.metrics.note(f"evaluating {self.eval_windows(final=True):,} validation windows "
+                                  "(trainer.final_eval_batches) ...")
                 self.evaluate(final=True)
             profiling.mark("final evaluation")
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "

@@ -448,10 +448,10 @@ def test_the_peak_probe_gives_its_gpu_memory_back(monkeypatch):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("value, device, minutes", [
-    (None, "cuda", config.GPU_SNAPSHOT_EVERY_MINUTES), (None, "cpu", None), (0, "cuda", None), (0.0, "cpu", None),
+    (None, "cuda", config.GPU_SNAPSHOT_EVERY_MINUTES), (None, "cpu", 10.0), (0, "cuda", None), (0.0, "cpu", None),
     (5, "cuda", 5.0), (2.5, "cpu", 2.5),
 ])
-def test_time_based_snapshots_default_on_gpus_only(value, device, minutes):
+def test_time_based_snapshots_by_default_on_gpus_and_cpus(value, device, minutes):
     assert config.snapshot_every_minutes(trainer_cfg(snapshot_every_minutes=value), device) == minutes
 
 

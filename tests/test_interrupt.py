@@ -14,7 +14,7 @@ import pytest
 
 from conftest import MAIN, PYTHON, REPO, TINY
 from mingpt_ddp.metrics import MetricsLog, format_duration
-from mingpt_ddp.preemption import INTERRUPTED_EXIT_CODE, SAME_CTRL_C_SECONDS, StopRequest
+from mingpt_ddp.preemption import FIRST_CTRL_C, INTERRUPTED_EXIT_CODE, SAME_CTRL_C_SECONDS, StopRequest
 from test_fault_tolerance import children
 
 LONG_RUN = [*TINY, "trainer.max_epochs=1000"]
@@ -65,6 +65,8 @@ def test_first_ctrl_c_saves_a_snapshot_says_how_to_resume_and_exits_130(tmp_path
     text = log.read_text()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert text.count("stopped by SIGINT at step") == 1, text
+    # said at once, by rank 0 alone, before the ranks agree to stop (a person would press again)
+    assert text.count(FIRST_CTRL_C) == 1 and text.index(FIRST_CTRL_C) < text.index("SIGINT: stopping after"), text
     stopped_at = int(text.split("stopped by SIGINT at step ")[1].split()[0])
     assert snapshot_steps(run_dir)[-1] == stopped_at, text
     assert "run the same command" in text
@@ -141,6 +143,38 @@ def test_stop_request_tells_a_second_ctrl_c_from_the_same_one_forwarded():
     assert aborted == [now[0]]
 
 
+@pytest.mark.unit
+def test_the_first_ctrl_c_says_at_once_what_happens_next():
+    now, said = [100.0], []
+    stop = StopRequest(clock=lambda: now[0], abort=lambda: None, say=said.append)
+    stop._handle(signal.SIGINT, None)
+    assert said == [FIRST_CTRL_C] and "press Ctrl-C again" in FIRST_CTRL_C
+    now[0] += SAME_CTRL_C_SECONDS / 10  # the same Ctrl-C, forwarded by torchrun: said once
+    stop._handle(signal.SIGINT, None)
+    assert said == [FIRST_CTRL_C]
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # a scheduler's: the agreement's line says it
+        StopRequest(clock=lambda: 0.0, abort=lambda: None, say=said.append)._handle(sig, None)
+    assert said == [FIRST_CTRL_C]
+
+
+@pytest.mark.unit
+def test_a_ctrl_c_outside_training_says_where_it_stopped(monkeypatch, capfd):
+    from mingpt_ddp import main
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(main, "_outside_training", main.STARTING)
+    main.stop_at_once(signal.SIGINT, None)
+    main._outside(main.AFTER_TRAINING)  # the closing sample: its snapshot is saved
+    main.stop_at_once(signal.SIGINT, None)
+    monkeypatch.setenv("RANK", "1")
+    main.stop_at_once(signal.SIGINT, None)
+    assert exits == [INTERRUPTED_EXIT_CODE] * 3
+    assert capfd.readouterr().err.splitlines() == ["Ctrl-C during start-up: stopped at once (nothing new trained yet)",
+                                                   "Ctrl-C after training: stopped at once (its last snapshot is saved)"]
+
+
 @pytest.mark.dist
 def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     aborted = []
@@ -182,6 +216,10 @@ def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, sm
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout + proc.stderr
+    # the run's last seconds are not silent: each phase says what it does before it starts
+    assert out.index("evaluating ") < out.index("final evaluation:"), out
+    assert out.index("sampling up to 240 tokens from the trained model for up to 0.5 s") < out.index(
+        "a sample of what the model writes now"), out
     sample = out.split("a sample of what the model writes now:\n")[1]
     lines = sample.splitlines()
     assert lines[0].startswith("    ") and len(lines[0].strip()) > 0

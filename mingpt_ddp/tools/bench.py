@@ -155,7 +155,7 @@ def bench_run_settings(cfg, total_steps: int, keep_evaluations: bool = False) ->
         t.eval_batches = 1
     t.save_every = 10**9
     t.snapshot_every_steps = None
-    t.snapshot_every_minutes = 0  # never (null would mean every 30 minutes on GPUs)
+    t.snapshot_every_minutes = 0  # never (null: every 30 minutes on GPUs, 10 on CPUs)
     # Enough epochs for the steps, without making the planner walk millions of epochs.
     windows = max(1, os.path.getsize(cfg.data.path) // cfg.data.block_size) if os.path.isfile(cfg.data.path) else 1
     world = int(os.environ.get("WORLD_SIZE", "1"))

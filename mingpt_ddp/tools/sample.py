@@ -140,6 +140,14 @@ def cli(argv: Optional[list[str]] = None) -> None:
 # The closing sample's bound in time where one process samples alone: on a busy machine
 # 240 tokens could take a minute; it says how many it wrote when it stops early.
 PREVIEW_SECONDS = 0.5
+PREVIEW_TOKENS = 240
+
+
+def preview_line(seconds: Optional[float] = PREVIEW_SECONDS, tokens: int = PREVIEW_TOKENS) -> str:
+    """What rank 0 says before the closing sample: a run's last seconds are not silent."""
+    bound = f" for up to {seconds:g} s" if seconds is not None else ""
+    return (f"sampling up to {tokens} tokens from the trained model{bound} (its snapshot is saved: Ctrl-C "
+            "now only ends the run)")
 
 
 def _past(deadline: Optional[float], together: bool, device: torch.device) -> bool:
@@ -153,7 +161,7 @@ def _past(deadline: Optional[float], together: bool, device: torch.device) -> bo
 
 
 @torch.no_grad()
-def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 240, lines: int = 4,
+def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = PREVIEW_TOKENS, lines: int = 4,
             seconds: Optional[float] = PREVIEW_SECONDS, together: bool = False) -> str:
     """A few lines the model just learned to write, and the command that samples more: how a
     run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
@@ -176,7 +184,9 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = 24
     if device.type == "cpu":
         torch.set_num_threads(1)
     deadline = None if seconds is None else time.monotonic() + seconds
-    chunk = 4 if together else 16  # together: each token all-gathers the model's shards, so shorter chunks
+    # Alone: the clock after every token (a chunk of a large model's tokens could take seconds on
+    # one thread). Together: after every 4, each check a broadcast from rank 0.
+    chunk = 4 if together else 1
     try:
         # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
         with torch.compiler.set_stance("force_eager"):
