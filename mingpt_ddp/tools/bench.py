@@ -366,8 +366,8 @@ def run_fixed(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
 
 # Each vocabulary's run: steps and batch sized so that the three cases take about a minute on 2 cores,
 # with logits above glibc's 32 MiB mmap ceiling in all but char (batch x 128 x vocab x 4 bytes).
-ALLOC_CASES = {"char": ("data.tokenizer=char", 200, 32), "4096": ("data.tokenizer=bpe data.vocab_size=4096", 100, 32),
-               "50257": ("data.tokenizer=bpe data.vocab_size=50257", 20, 8)}
+ALLOC_CASES = {"char": ("data.tokenizer=char", 100, 32), "4096": ("data.tokenizer=bpe data.vocab_size=4096", 60, 32),
+               "50257": ("data.tokenizer=bpe data.vocab_size=50257", 15, 8)}
 # glibc's own default for M_MMAP_MAX: as a tunable it restores glibc's behaviour, and the run then
 # leaves malloc alone (distributed._set_malloc_options), as it did before issue 32.
 GLIBC_DEFAULT_MALLOC = "glibc.malloc.mmap_max=65536"
