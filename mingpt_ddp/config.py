@@ -197,6 +197,9 @@ class TrainerConfig:
     # CUDA): its reducer, no_sync and the NCCL calls run as on many GPUs (launch/gpu_smoke.sh
     # checks them on one GPU). Off: one process trains the plain model, without the wrapper's cost.
     ddp_one_process: bool = False
+    # Intra-op threads of each process (per process, not per node); null: this process's share
+    # of the cores it may use (distributed.cpu_threads_per_process). Honoured on GPUs too.
+    cpu_threads: Optional[int] = None
     # fsspec options for snapshot_path (endpoint, profile, ...); secrets as for data.
     storage_options: Dict[str, Any] = field(default_factory=dict)
     # Saving may keep failing (retried in the background) this long before the run stops.
@@ -602,6 +605,11 @@ def collective_timeout_minutes(t: Any) -> float:
 def device_setting(t: Any) -> str:
     """trainer.device as a plain string (auto, cuda or cpu)."""
     return str(getattr(t.device, "value", t.device))
+
+
+def cpu_threads_setting(t: Any) -> Optional[int]:
+    """trainer.cpu_threads, read before validate() (distributed.setup sizes the pool with it)."""
+    return getattr(t, "cpu_threads", None)
 
 
 def rank0_wait_minutes(t: Any) -> float:

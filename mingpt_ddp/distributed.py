@@ -251,6 +251,87 @@ def cpu_threads_per_process(local_world_size: int, env: Mapping[str, str] = os.e
     return max(1, cores // max(1, local_world_size))
 
 
+def cpu_threads(setting: Optional[int], local_world_size: int, env: Mapping[str, str] = os.environ) -> int:
+    """This process's intra-op threads: trainer.cpu_threads (per process) where set, else its
+    share of the cores (cpu_threads_per_process). A ConfigError for a count below 1."""
+    share = cpu_threads_per_process(local_world_size, env)
+    if setting is None:
+        return share
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ConfigError(f"trainer.cpu_threads={setting} must be a number of threads per process, 1 or more: "
+                          f"e.g. trainer.cpu_threads={share} (this process's share of the cores), or null for that share")
+    return setting
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# glibc's mallopt parameters (malloc.h).
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+_heap_kept: Optional[bool] = None  # keep_freed_host_memory's answer, once per process
+
+
+def keep_freed_host_memory() -> bool:
+    """Keep the memory a CPU step frees for the next step: no mmap per large block, no trim.
+
+    glibc gives each allocation above its mmap threshold (dynamic, at most 32 MiB) its own
+    mmap, unmapped at free, so every step's logits (64 MiB for gpt-nano at a 4,096-token
+    vocabulary, 0.8 GB at GPT-2's 50,257) were mapped, zeroed page by page and unmapped again:
+    a third of a BPE run's CPU time in the kernel (issue 32). With mmap off (M_MMAP_MAX=0: a
+    threshold cannot exceed 32 MiB) large blocks come from the heap (a thread's arena too
+    small for one falls back to the main arena), and with trimming off (M_TRIM_THRESHOLD)
+    the heap keeps its peak: the run's peak RSS, not more, stays resident. Host memory only
+    (CUDA's allocator is its own). Left alone where the user chose (GLIBC_TUNABLES with
+    glibc.malloc settings, or another malloc preloaded) and where glibc is absent (musl,
+    macOS). Whether the settings were applied; once per process."""
+    global _heap_kept
+    if _heap_kept is None:
+        _heap_kept = _set_malloc_options()
+    return _heap_kept
+
+
+def _set_malloc_options(env: Mapping[str, str] = os.environ) -> bool:
+    try:
+        glibc = (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (AttributeError, ValueError, OSError):
+        glibc = False
+    if not glibc:
+        log.debug("host memory: not glibc, malloc left as it is")
+        return False
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or "malloc" in env.get("LD_PRELOAD", ""):
+        log.debug("host memory: malloc settings chosen by the environment (GLIBC_TUNABLES / LD_PRELOAD), left alone")
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # -1 as trim threshold: glibc takes it as the largest size, never trim.
+    applied = all(mallopt(param, value) == 1 for param, value in ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)))
+    log.debug("host memory: glibc malloc keeps freed memory (M_MMAP_MAX=0, M_TRIM_THRESHOLD=-1): %s", applied)
+    return applied
+
+
+def _size_thread_pools(n: int, asked: bool, rank: int) -> None:
+    """n intra-op threads (OMP_NUM_THREADS, which torchrun sets to 1 for its workers, is
+    overridden); asked (trainer.cpu_threads): the inter-op pool too, and a warning where n is
+    more than the cores this process may use."""
+    torch.set_num_threads(n)
+    if not asked:
+        return
+    try:
+        torch.set_num_interop_threads(n)
+    except RuntimeError:  # its pool has started already (torch allows setting it once)
+        pass
+    cores = _usable_cores()
+    if n > cores and rank == 0:
+        log.warning("trainer.cpu_threads=%d is more than the %d cores this process may use: its threads will wait for "
+                    "each other; set trainer.cpu_threads=%d or less", n, cores, cores)
+
+
 def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta):
     """The rendezvous store, with keys private to this restart generation.
 
@@ -286,9 +367,11 @@ def process_group_options(device: torch.device) -> dict[str, Any]:
 
 
 def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
-          rank0_wait_minutes: Optional[float] = None, device: str = "auto") -> DistEnv:
+          rank0_wait_minutes: Optional[float] = None, device: str = "auto",
+          threads: Optional[int] = None) -> DistEnv:
     """Pick the device (`device`: trainer.device, auto/cuda/cpu), size the CPU thread pool
-    and join the process group, whose collectives (and the rendezvous) give up after
+    (`threads`: trainer.cpu_threads; null: this process's share of the cores on CPU, torch's
+    own count on GPUs), keep freed host memory on CPU (keep_freed_host_memory) and join the process group, whose collectives (and the rendezvous) give up after
     `timeout_minutes`. Waits for work only rank 0 does (wait_for_main) give up after
     `rank0_wait_minutes`. Every rank raises the same ConfigError when any rank cannot take
     its device, or when the ranks' devices cannot form one group (agree_on_device).
@@ -302,6 +385,7 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     if _current is not None:
         return _current
     rank, local_rank, world_size, local_world_size = read_topology()
+    n_threads = cpu_threads(threads, local_world_size)  # a bad trainer.cpu_threads: before anything starts
     device_, backend, problem = torch.device("cpu"), "", None
     try:
         device_, backend = pick_device(local_rank, local_world_size, device)
@@ -312,7 +396,9 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     if device_.type == "cuda":
         torch.cuda.set_device(device_)
     else:
-        torch.set_num_threads(cpu_threads_per_process(local_world_size))
+        keep_freed_host_memory()
+    if device_.type != "cuda" or threads is not None:
+        _size_thread_pools(n_threads, threads is not None, rank)
     # Every process says it (before rank 0 alone speaks): oversubscribed cores show up here.
     log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size,
              device_ if problem is None else "no usable device", torch.get_num_threads())

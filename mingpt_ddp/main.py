@@ -766,7 +766,7 @@ def main(cfg: DictConfig) -> Optional[float]:
             log.warning(warning)
         config.check_resolves(cfg.trainer)  # its timeouts are read before validate()
         dist = distributed.setup(config.collective_timeout_minutes(cfg.trainer), config.rank0_wait_minutes(cfg.trainer),
-                                 config.device_setting(cfg.trainer))
+                                 config.device_setting(cfg.trainer), config.cpu_threads_setting(cfg.trainer))
         _quiet_other_ranks(dist)
         profiling.mark("process group")
         run_dir = _agreed_run_dir(dist)

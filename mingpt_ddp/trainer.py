@@ -558,7 +558,7 @@ class Trainer:
         self.model.train()
         self._last_save_time = time.monotonic()
         if self.strategy.compiled:
-            size_compile_workers(distributed.cpu_threads_per_process(self.dist.local_world_size))
+            size_compile_workers(distributed.cpu_threads(self.cfg.cpu_threads, self.dist.local_world_size))
             shield_compile_workers()  # compile workers would die of Slurm's SIGUSR1 mid-compile
         # Held until the last snapshot is saved: a signal now asks for a stop, not a traceback.
         with StopRequest() as stop_request:

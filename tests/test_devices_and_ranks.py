@@ -415,12 +415,62 @@ def test_cpu_threads_are_not_divided_twice(monkeypatch, env, affinity, node_core
 
 @pytest.mark.dist
 def test_each_process_logs_its_thread_count(tmp_path, small_corpus):
-    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=1"],
-                   nproc=2, timeout=180)
+    """trainer.cpu_threads reaches torchrun's workers (which torchrun gives OMP_NUM_THREADS=1)."""
+    proc = run_cli([*TINY, f"hydra.run.dir={tmp_path / 'run'}", f"data.path={small_corpus}", "trainer.max_steps=1",
+                    "trainer.cpu_threads=3"], nproc=2, timeout=180)
     text = output(proc)
     assert proc.returncode == 0, text
     for rank in (0, 1):
-        assert f"rank {rank} (local {rank} of 2): cpu, " in text and "CPU threads" in text, text
+        assert f"rank {rank} (local {rank} of 2): cpu, 3 CPU threads" in text, text
+
+
+# ---- issue 32 item 5: one setting for the threads of a run ----------------------------------------
+@pytest.mark.unit
+def test_cpu_threads_setting_per_process_and_its_default(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    torchrun = {"TORCHELASTIC_RUN_ID": "x"}
+    assert distributed.cpu_threads(None, 2, torchrun) == 4  # the default: this process's share
+    assert distributed.cpu_threads(3, 2, torchrun) == 3  # per process, whatever the local ranks
+    for bad in (0, -2, "four"):
+        with pytest.raises(ConfigError, match=r"trainer.cpu_threads=.* 1 or more: e.g. trainer.cpu_threads=4"):
+            distributed.cpu_threads(bad, 2, torchrun)
+    assert config.TrainerConfig().cpu_threads is None
+
+
+# ---- issue 32 item 3: no allocator churn on CPU ------------------------------------------------------
+FRESH_PROCESS = """
+import resource, torch
+from mingpt_ddp import distributed
+env = distributed.setup(device="cpu", threads={threads})
+def faults_per_page(mib, n=6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(n):
+        torch.ones(mib << 18)  # a step's logits: mib MiB written, then freed
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (n * mib * 256)
+print(faults_per_page(48), torch.get_num_threads(), torch.get_num_interop_threads())
+"""
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc")
+def test_a_cpu_process_reuses_the_memory_of_large_tensors():
+    """glibc mapped each block over 32 MiB afresh and unmapped it at free: every page of a step's
+    logits faulted (zeroed by the kernel) every step. Set up for CPU, a process keeps them: the
+    first pass faults, the others reuse. Also trainer.cpu_threads sizes both thread pools."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS.format(threads=1)], capture_output=True, text=True,
+                          timeout=60, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    faults, threads, interop = proc.stdout.split()
+    assert float(faults) < 0.4, proc.stdout  # 1.0 (every page, every time) before
+    assert (threads, interop) == ("1", "1"), proc.stdout
+
+
+@pytest.mark.unit
+def test_malloc_settings_the_user_chose_are_left_alone():
+    for env in ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"}, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}):
+        assert distributed._set_malloc_options(env) is False
 
 
 # ---- issue 23 item 13: smaller GPU settings ------------------------------------------------------

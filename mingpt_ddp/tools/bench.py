@@ -44,6 +44,12 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             group, data, model, precision, ...), of the step, and from the last step to exit
             (final evaluation, snapshot, closing sample, shutdown), read from the marks the run
             writes to $MINGPT_DDP_TIMELINE (profiling.mark); other overrides go to the run
+  alloc:    vocabs=char,4096,50257 steps=N text_mb=3: glibc malloc's cost in a CPU run of gpt-nano
+            per vocabulary (char, or a BPE of that many tokens), each run twice as a child process:
+            before (GLIBC_TUNABLES=glibc.malloc.mmap_max=65536, glibc's default, which the run
+            leaves alone) and after (the run's own settings, distributed.keep_freed_host_memory):
+            wall, user and system CPU seconds, the kernel's share, tokens/s of the steps, peak RSS;
+            a warm-up run first trains the BPE and fills the token cache
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -83,13 +89,13 @@ from mingpt_ddp.errors import ConfigError, UserFacingError
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu, mfu_record)
 
-MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed")
+MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed", "alloc")
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
     "project": None, "hosts": "2,4,8,16",
-    "avx2": None, "runs": 5, "text_mb": 1.0,
+    "avx2": None, "runs": 5, "text_mb": 1.0, "vocabs": "char,4096,50257",
 }
 
 
@@ -356,6 +362,82 @@ def run_fixed(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
             "per_run": [{k: r[k] for k in (*keys, "load_avg_1min")} for r in results],
             "warmup": {k: warmup[k] for k in (*keys, "load_avg_1min")},
             "load_avg_1min": statistics.median(r["load_avg_1min"] for r in results)}
+
+
+# Each vocabulary's run: steps and batch sized so that the three cases take about a minute on 2 cores,
+# with logits above glibc's 32 MiB mmap ceiling in all but char (batch x 128 x vocab x 4 bytes).
+ALLOC_CASES = {"char": ("data.tokenizer=char", 100, 32), "4096": ("data.tokenizer=bpe data.vocab_size=4096", 60, 32),
+               "50257": ("data.tokenizer=bpe data.vocab_size=50257", 15, 8)}
+# glibc's own default for M_MMAP_MAX: as a tunable it restores glibc's behaviour, and the run then
+# leaves malloc alone (distributed._set_malloc_options), as it did before issue 32.
+GLIBC_DEFAULT_MALLOC = "glibc.malloc.mmap_max=65536"
+
+
+def alloc_text(path: str, megabytes: float) -> None:
+    """A text of many distinct made-up words, so that a BPE reaches GPT-2's 50,257 tokens."""
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("etaoinshrdlucmfwypvbgkjqxz") for _ in range(rng.randint(3, 10))) for _ in range(80_000)]
+    out, size = [], 0
+    while size < megabytes * 1e6:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) + "."
+        out.append(line)
+        size += len(line) + 1
+    Path(path).write_text("\n".join(out))
+
+
+def alloc_child(args: list[str], workdir: str, name: str, tunables: Optional[str]) -> dict[str, Any]:
+    """One run in a child process: its wall time, rusage (user, system, peak RSS) and step pace."""
+    timeline = os.path.join(workdir, f"timeline-{name}.jsonl")
+    env = child_env(timeline)
+    env.pop("GLIBC_TUNABLES", None)
+    if tunables:
+        env["GLIBC_TUNABLES"] = tunables
+    main_py = str(Path(__file__).resolve().parents[1] / "main.py")
+    command = [sys.executable, main_py, *args, f"hydra.run.dir={os.path.join(workdir, name)}"]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - started
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if status != 0:
+        raise UserFacingError(f"the run failed ({status}): {' '.join(command)}\n{err[-2000:]}")
+    marks = {m["phase"]: m["t"] for m in map(json.loads, Path(timeline).read_text().splitlines())}
+    return {"wall_s": wall, "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
+            "kernel_share": usage.ru_stime / max(1e-9, usage.ru_utime + usage.ru_stime),
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "step_s": marks[LAST_STEP] - marks[FIRST_STEP]}
+
+
+def run_alloc(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    if dist.world_size != 1:
+        raise ConfigError("bench alloc runs its child runs itself: start it as one process, not under torchrun")
+    names = [v.strip() for v in str(options["vocabs"]).split(",") if v.strip()]
+    unknown = [n for n in names if n not in ALLOC_CASES]
+    if unknown:
+        raise ConfigError(f"vocabs={','.join(unknown)}: choose among {','.join(ALLOC_CASES)}")
+    workdir = tempfile.mkdtemp(prefix="mingpt-bench-alloc-")
+    rows = []
+    try:
+        text = os.path.join(workdir, "text.txt")
+        alloc_text(text, float(options["text_mb"]) if options["text_mb"] != OPTIONS["text_mb"] else 3.0)
+        for name in names:
+            data, steps, batch = ALLOC_CASES[name]
+            steps = int(options["steps"] or steps)
+            args = ["model=gpt-nano", "trainer.device=cpu", "trainer.precision=fp32", f"trainer.batch_size={batch}",
+                    f"trainer.max_steps={steps}", "trainer.eval_batches=2", "trainer.final_eval_batches=2",
+                    "data.block_size=128", f"data.path={text}", f"data.cache_dir={os.path.join(workdir, 'cache')}",
+                    *data.split(), *overrides]
+            alloc_child([*args, "trainer.max_steps=1"], workdir, f"{name}-warmup", None)  # BPE, token file
+            for when, tunables in (("before", GLIBC_DEFAULT_MALLOC), ("after", None)):
+                r = alloc_child(args, workdir, f"{name}-{when}", tunables)
+                rows.append({"vocab": name, "when": when, "steps": steps, "batch_size": batch,
+                             "tokens_per_s": steps * batch * 128 / r["step_s"], **r,
+                             "command": f"python mingpt_ddp/main.py {' '.join(args)}"
+                                        + (f" (GLIBC_TUNABLES={tunables})" if tunables else "")})
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"rows": rows, "cpu": cpu_features()}
 
 
 # ---- output -----------------------------------------------------------------------------
@@ -1096,7 +1178,7 @@ def _container(node) -> dict[str, Any]:
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "fixed": run_fixed,
     "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
-    "precision": run_precision,
+    "precision": run_precision, "alloc": run_alloc,
 }
 
 
@@ -1209,6 +1291,16 @@ def report(mode: str, result: dict[str, Any]) -> None:
               f"last step to exit {result['last_step_to_exit_s']:.2f} s | total {result['total_s']:.2f} s "
               f"(warm-up run: {result['warmup']['total_s']:.2f} s)")
         print(f"command: {result['command']}")
+    elif mode == "alloc":
+        print_table(f"malloc's cost in a CPU run of gpt-nano, block 128: {where}{noise}",
+                    ["vocab", "malloc", "steps x batch", "wall s", "user s", "sys s", "kernel %", "tok/s",
+                     "peak RSS MiB"],
+                    [[r["vocab"], "glibc default" if r["when"] == "before" else "kept (now)", f"{r['steps']}x{r['batch_size']}",
+                      r["wall_s"], r["user_s"], r["sys_s"], 100 * r["kernel_share"], r["tokens_per_s"],
+                      r["peak_rss_bytes"] / 2**20] for r in result["rows"]])
+        print(f"cpu: {result['cpu']}")
+        for r in result["rows"]:
+            print(f"command ({r['vocab']}, {r['when']}): {r['command']}")
     elif mode == "comm":
         print_table(
             f"all_reduce (in place, float sum) over {result['ranks']} rank(s): {where}{noise}",
@@ -1232,6 +1324,13 @@ def report(mode: str, result: dict[str, Any]) -> None:
                       f"{p['buckets']} bucket(s), {p['comm_ms'] - p['exposed_ms']:.1f} ms of it behind the backward)")
 
 
+def _int_setting(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        return text  # refused by distributed.cpu_threads, naming the key
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("-h", "--help", "help"):
@@ -1243,7 +1342,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             nccl_log_to_files()  # before NCCL starts
         # trainer.device among the overrides decides as it does for a run (cpu: on purpose)
         device = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.device=")), "auto")
-        dist = distributed.setup(device=device)
+        threads = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.cpu_threads=")), "null")
+        dist = distributed.setup(device=device, threads=None if threads in ("null", "") else _int_setting(threads))
         result = RUNNERS[mode](dist, options, overrides)
     except UserFacingError as exc:
         rank = int(os.environ.get("RANK", "0"))

@@ -16,6 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from mingpt_ddp import distributed
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
@@ -99,6 +100,8 @@ def generate_text(target: str, opts: SampleConfig) -> str:
         print(f"warning: snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank "
               "0's) may be wrong", file=sys.stderr, flush=True)
     tok = tokenizer.from_snapshot(snapshot)  # the run's own: its characters, BPE or GPT-2's
+    if torch.device(opts.device).type == "cpu":
+        distributed.keep_freed_host_memory()  # each token's logits: 0.2 GB at GPT-2's vocabulary and block
     model = GPT(GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])
     model.to(opts.device).eval()
