@@ -376,7 +376,7 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
         unbelievable = _unbelievable(times, slowdown)
         if unbelievable:
             choice = "bf16" if slowdown < 0.75 else "fp32"
-            why, doubt = f"{unbelievable}: by the matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed", unbelievable
+            why, doubt = f"by the matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed", unbelievable
         elif not complete:
             doubt = f"cut short by the {DECISION_SECONDS:g} s limit (a busy or slow machine)"
         else:
@@ -600,8 +600,11 @@ class RunCheck:
     def _verdict(self, trainer, intervals: list[float], share: Optional[float]):
         """Rank 0: None to look again at the next log window; else (the precision to switch
         to, or None) and the line to log (or None)."""
-        if (share is not None and share > MAX_WAIT) or not intervals:
-            return (None, None) if self._windows > RUN_CHECK_WINDOWS else None  # others' load: not now
+        if (share is not None and share > MAX_WAIT) or not intervals:  # others' load: not now
+            if self._windows <= RUN_CHECK_WINDOWS:
+                return None
+            return None, (f"precision auto: {trainer.precision.name} kept unchecked ({self.decision.doubt}): other "
+                          f"load on the cores in each of {RUN_CHECK_WINDOWS} log windows" if self.decision.doubt else None)
         step_s = sorted(intervals)[len(intervals) // 2]  # the median: an evaluation or save between steps is no step
         reason = self.decision.doubt or self._outrun(step_s, trainer)
         if reason is None:
