@@ -306,7 +306,7 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
                  measure: Callable[[torch.nn.Module, str, int, int], float] = pass_seconds,
                  matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown,
                  calibrate: Callable[[torch.nn.Module, int], float] = one_block_pass_seconds,
-                 use_cache: bool = True) -> Decision:
+                 use_cache: bool = True, announce: bool = True) -> Decision:
     """fp32 or bf16, whichever trains this model faster on this CPU, decided within
     DECISION_SECONDS (2 s) of starting on any CPU and model, once per CPU, torch version,
     thread count and model shape.
@@ -324,8 +324,9 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
        (others' load on the cores drifts over seconds): a warm-up round, then up to two timed
        ones. bf16 is dropped at its first pass LOSING (warm-up: WARMUP_LOSING, unless its
        matmuls were faster) times slower than fp32's in the same round, if that pass is
-       credible (it had the cores, and is not UNBELIEVABLE: see _distrust). The passes use the real micro-batch, or less where an
-       fp32 pass would take over PASS_SECONDS (probe_shape). bf16 must be 5% faster to win.
+       credible (it had the cores, and is not UNBELIEVABLE: see _distrust). The passes use
+       the real micro-batch, or less where an fp32 pass would take over PASS_SECONDS
+       (probe_shape). bf16 must be 5% faster to win.
 
     One deadline bounds it all: no pass starts unless SAFETY times its expected seconds (the
     first from the block's, then the last pass of its precision, bf16's first from fp32's
@@ -343,8 +344,10 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
     entry whose figures are not believable (made by an older version) is measured again.
 
     `measure` (one pass's seconds), `matmul_probe` and `calibrate` are the timers, replaceable
-    in tests (and _clock, _cpu_wait). `use_cache=False`: measure again whatever is cached.
+    in tests (and _clock, _cpu_wait). `use_cache=False`: measure again whatever is cached;
+    `announce=False`: the measurement's line at debug level (RunCheck logs its own).
     """
+    say = log.info if announce else log.debug
     facts = cpu_facts()
     key = decision_key(facts, model.cfg, batch_size, block_size)
     path = cache_file or precision_cache_file()
@@ -393,15 +396,15 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
     if doubt is None:
         cache[key] = entry
         _write_json(path, cache)
-        log.info("precision auto: %s (measured on this CPU in %.1f s: %s; cached in %s)", choice,
-                 entry["decided_in_s"], why, path)
+        say("precision auto: %s (measured on this CPU in %.1f s: %s; cached in %s)", choice,
+            entry["decided_in_s"], why, path)
         return Decision(choice, "measured", entry, path)
     entry["untrusted"] = doubt
     if key in cache:  # a cached answer this measurement doubts is not kept either
         del cache[key]
         _write_json(path, cache)
-    log.info("precision auto: %s (measured on this CPU in %.1f s: %s; not cached: %s; the run measures again "
-             "once its steps show a quiet machine)", choice, entry["decided_in_s"], why, doubt)
+    say("precision auto: %s (measured on this CPU in %.1f s: %s; not cached: %s; the run measures again "
+        "once its steps show a quiet machine)", choice, entry["decided_in_s"], why, doubt)
     return Decision(choice, "untrusted", entry, path)
 
 
@@ -427,7 +430,8 @@ def _unbelievable(times: dict[str, list[float]], slowdown: Optional[float]) -> O
     ratio = _best(times["bf16"]) / max(_best(times["fp32"]), 1e-9)
     if ratio <= UNBELIEVABLE:
         return None
-    return f"bf16 passes {ratio:.1f}x slower than fp32's where bf16 matmuls are {1 / max(slowdown, 1e-9):.1f}x faster: load, not speed"
+    return (f"bf16 passes {ratio:.1f}x slower than fp32's where bf16 matmuls are {1 / max(slowdown, 1e-9):.1f}x "
+            "faster: load, not speed")
 
 
 def _distrust(times: dict[str, list[float]], waits: dict[str, list[Optional[float]]], choice: str) -> Optional[str]:
@@ -556,7 +560,7 @@ class RunCheck:
         self.decision = decision
         self._clock = clock
         self._measure_again = measure_again or (lambda model, batch, block, path: cpu_decision(
-            model, batch, block, path, use_cache=False))
+            model, batch, block, path, use_cache=False, announce=False))
         self._last: Optional[float] = None  # when the previous step ended
         self._intervals: list[float] = []  # this log window's step times
         self._wait = None  # rank 0's cpu_wait() at the window's start
@@ -612,7 +616,8 @@ class RunCheck:
         current, step = trainer.precision.name, trainer.state.step
         model = trainer.model
         if trainer.strategy.collective_forward:  # sharded (FSDP): rank 0 times an unsharded copy
-            model = type(model)(model.cfg)
+            from mingpt_ddp.model import GPT  # the model's own class, not FSDP's subclass of it
+            model = GPT(model.cfg)
         new = self._measure_again(model, trainer.cfg.batch_size, trainer.block_size, self.decision.path)
         head = f"precision auto: checked at step {step} ({reason}) by measuring again"
         if new.source != "measured":
