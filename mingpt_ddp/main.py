@@ -93,7 +93,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mingpt_ddp import config, distributed, loggers, parallel, preemption, profiling, time_budget
+from mingpt_ddp import config, distributed, loggers, parallel, precision, preemption, profiling, time_budget
 from mingpt_ddp.checkpoint import run_dir as run_dir_check, storage
 from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
@@ -610,6 +610,9 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         trainer.resume_hint = how_to_resume(cfg, run_dir)
         if cfg.trainer.time_budget_minutes:
             trainer.step_callbacks.append(time_budget.TimeBudget(cfg.trainer.time_budget_minutes))
+        precision_check = precision.RunCheck.for_trainer(trainer)  # auto's CPU choice against the run's steps
+        if precision_check is not None:
+            trainer.step_callbacks.append(precision_check)
         run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
         profiling.mark("trainer ready (trackers, wrapping, optimizer)")
         with profiling.profile_steps(trainer, cfg.trainer, run_dir):

@@ -78,6 +78,8 @@ class Strategy:
     # Must every rank run each forward pass (FSDP gathers parameters in it)? DDP's model
     # alone runs on one rank (rank 0's sample preview).
     collective_forward = False
+    # Why autocast's dtype cannot change mid-run (precision.RunCheck), or None: DDP's can.
+    fixed_precision: Optional[str] = None
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         self.cfg, self.dist, self.model, self.precision = cfg, dist, model, precision
@@ -199,6 +201,7 @@ class FSDPStrategy(Strategy):
     name = "fsdp"
     sharded_snapshots = True
     collective_forward = True
+    fixed_precision = "FSDP gathers the parameters in the compute dtype it was given when it sharded them"
 
     def __init__(self, cfg: TrainerConfig, dist: DistEnv, model: GPT, precision: PrecisionPlan):
         smallest = min(p.shape[0] for p in model.parameters())

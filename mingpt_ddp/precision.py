@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 import torch
 
+from mingpt_ddp import distributed
 from mingpt_ddp.config import Precision
 from mingpt_ddp.errors import ConfigError
 
@@ -171,8 +172,46 @@ PASS_SECONDS = 0.2  # the fp32 probe pass aimed for (fewer sequences than the ba
 DECISION_SECONDS = 2.0  # the whole decision's deadline: no step starts that is not expected to end before it
 SAFETY = 2.0  # a step starts only if twice its expected seconds fit before the deadline
 ROUNDS = 3  # fp32 and bf16 passes alternated: a warm-up round, then the best of two
+# When a measurement is trusted (cached), see _distrust. Load only ever slows a pass down, so
+# only the precision that lost can have lost to load:
+MAX_WAIT = 0.15  # its pass's threads waited this share of their runnable time for a core (others' load)
+MAX_SPREAD = 1.3  # its timed passes differ this much (load came and went; where waits cannot be read)
+UNBELIEVABLE = 3.0  # a bf16 pass this much slower than fp32's where bf16 matmuls are faster: load, not speed
+RUN_FASTER = 1.5  # a run's steps this much faster than its cached passes predict: they were timed under load
+RUN_CHECK_WINDOWS = 10  # log windows a run waits for a quiet one to check its precision in, at most
 
 _clock = time.perf_counter  # the decision's clock (a fake one in tests)
+
+
+def cpu_wait() -> Optional[tuple[float, float]]:
+    """(seconds run, seconds waited for a core while runnable), summed over this process's
+    threads since they started (Linux: /proc/self/task/*/schedstat), or None where that
+    cannot be read. The waits are other processes' load on the cores, whatever this
+    process's own threads do: the share waited over a pass says whether it had the cores."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    run = wait = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as f:
+                fields = f.read().split()
+            run, wait = run + int(fields[0]), wait + int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return (run / 1e9, wait / 1e9) if run else None
+
+
+_cpu_wait = cpu_wait  # replaceable in tests, as _clock
+
+
+def wait_share(before: Optional[tuple[float, float]], after: Optional[tuple[float, float]]) -> Optional[float]:
+    """The share of the runnable time between two cpu_wait() readings spent waiting for a core."""
+    if before is None or after is None:
+        return None
+    run, wait = after[0] - before[0], after[1] - before[1]
+    return wait / (run + wait) if run + wait > 0 else 0.0
 
 
 def bf16_matmul_slowdown(n_embd: int, rows: int) -> float:
@@ -233,11 +272,41 @@ def one_block_pass_seconds(model: torch.nn.Module, tokens: int) -> float:
     return seconds * whole / one
 
 
+@dataclass
+class Decision:
+    """What trainer.precision=auto decided on a CPU and on what evidence: `entry` holds the
+    measurement (the cache entry's fields); `source` is "cached" (read from the cache),
+    "measured" (trusted, so cached now) or "untrusted" (not cached: see _distrust)."""
+    choice: str
+    source: str
+    entry: dict
+    path: str
+
+    @property
+    def doubt(self) -> Optional[str]:
+        """Why the run should measure again once its own steps show a quiet machine, or None."""
+        if self.source == "untrusted":
+            return f"the measurement at start was not trusted ({self.entry.get('untrusted')})"
+        if self.source == "cached" and "trusted" not in self.entry:
+            return "the cached decision was made by an older version, which did not check the machine's load"
+        return None
+
+
 def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int,
                         cache_file: Optional[str] = None,
                         measure: Callable[[torch.nn.Module, str, int, int], float] = pass_seconds,
                         matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown,
                         calibrate: Callable[[torch.nn.Module, int], float] = one_block_pass_seconds) -> str:
+    """fp32 or bf16, whichever trains this model faster on this CPU (cpu_decision's choice)."""
+    return cpu_decision(model, batch_size, block_size, cache_file, measure, matmul_probe, calibrate).choice
+
+
+def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
+                 cache_file: Optional[str] = None,
+                 measure: Callable[[torch.nn.Module, str, int, int], float] = pass_seconds,
+                 matmul_probe: Callable[[int, int], float] = bf16_matmul_slowdown,
+                 calibrate: Callable[[torch.nn.Module, int], float] = one_block_pass_seconds,
+                 use_cache: bool = True, announce: bool = True) -> Decision:
     """fp32 or bf16, whichever trains this model faster on this CPU, decided within
     DECISION_SECONDS (2 s) of starting on any CPU and model, once per CPU, torch version,
     thread count and model shape.
@@ -254,32 +323,49 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
        pass, however large the model) to size the others, then fp32 and bf16 alternated
        (others' load on the cores drifts over seconds): a warm-up round, then up to two timed
        ones. bf16 is dropped at its first pass LOSING (warm-up: WARMUP_LOSING, unless its
-       matmuls were faster) times slower than fp32's in the same round. The passes use the real micro-batch, or less where an
-       fp32 pass would take over PASS_SECONDS (probe_shape). bf16 must be 5% faster to win.
+       matmuls were faster) times slower than fp32's in the same round, if that pass is
+       credible (it had the cores, and is not UNBELIEVABLE: see _distrust). The passes use
+       the real micro-batch, or less where an fp32 pass would take over PASS_SECONDS
+       (probe_shape). bf16 must be 5% faster to win.
 
     One deadline bounds it all: no pass starts unless SAFETY times its expected seconds (the
     first from the block's, then the last pass of its precision, bf16's first from fp32's
     times the matmul slowdown) end before DECISION_SECONDS. So it ends within 3 s unless a
     pass runs three times slower than expected (or one block's pass takes a second). Cut short before a timed round,
-    the passes so far (or the matmuls alone) decide, and nothing is cached.
+    the passes so far (or the matmuls alone) decide.
 
-    `measure` (one pass's seconds), `matmul_probe` and `calibrate` are the timers, replaceable in tests.
-    The answer is cached under everything that decides it (cpu_facts, the model's shape).
+    The answer is cached, under everything that decides it (cpu_facts, the model's shape),
+    only when the measurement is trusted: not cut short, and the precision that lost lost on
+    passes that had the cores, that agree with each other, and that its matmuls make
+    believable (_distrust). Load only ever slows a pass, so load can make only the loser look
+    worse than it is. A bf16 pass UNBELIEVABLE times slower than fp32's where bf16 matmuls
+    are faster is load: then the matmuls decide. An untrusted decision is used, not cached;
+    the run measures again once its own steps show a quiet machine (RunCheck). A cached
+    entry whose figures are not believable (made by an older version) is measured again.
+
+    `measure` (one pass's seconds), `matmul_probe` and `calibrate` are the timers, replaceable
+    in tests (and _clock, _cpu_wait). `use_cache=False`: measure again whatever is cached;
+    `announce=False`: the measurement's line at debug level (RunCheck logs its own).
     """
+    say = log.info if announce else log.debug
     facts = cpu_facts()
     key = decision_key(facts, model.cfg, batch_size, block_size)
     path = cache_file or precision_cache_file()
     cache = _read_json(path)
-    if isinstance(cache.get(key), dict) and cache[key].get("choice") in ("fp32", "bf16"):
-        entry = cache[key]
-        log.info("precision auto: %s (cached for this CPU, torch, thread count and model: %s; %s)",
-                 entry["choice"], entry.get("why", ""), path)
-        return entry["choice"]
+    entry = cache.get(key)
+    if use_cache and isinstance(entry, dict) and entry.get("choice") in ("fp32", "bf16"):
+        unbelievable = _unbelievable(_cached_times(entry), entry.get("bf16_matmul_slowdown"))
+        if unbelievable is None:
+            log.info("precision auto: %s (cached for this CPU, torch, thread count and model: %s; %s)",
+                     entry["choice"], entry.get("why", ""), path)
+            return Decision(entry["choice"], "cached", entry, path)
+        log.info("precision auto: the cached %s is not believable (%s): measuring again", entry["choice"], unbelievable)
     started = _clock()
     deadline = started + DECISION_SECONDS
     slowdown = matmul_probe(model.cfg.n_embd, batch_size * block_size)
     times: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    complete, shape = True, [0, 0]
+    waits: dict[str, list[Optional[float]]] = {"fp32": [], "bf16": []}
+    complete, shape, doubt = True, [0, 0], None
     if slowdown >= MATMUL_LOSING:
         choice = "fp32"
         why = f"bf16 matmuls {slowdown:.1f}x slower than fp32 at this width (no fast bf16 instructions, or layers too narrow to gain); no pass run"
@@ -289,16 +375,87 @@ def measured_cpu_choice(model: torch.nn.Module, batch_size: int, block_size: int
         probe = probe_copy(model) if any(p.is_meta for p in model.parameters()) else model
         with _own_gradients(probe):
             choice, why, complete = _timed_passes(probe, batch_size, block_size, slowdown, measure, calibrate,
-                                                  times, shape, deadline)
+                                                  times, waits, shape, deadline)
+        unbelievable = _unbelievable(times, slowdown)
+        if unbelievable:
+            choice = "bf16" if slowdown < 0.75 else "fp32"
+            why, doubt = f"by the matmuls alone, bf16 at {1 / slowdown:.2f}x fp32's speed", unbelievable
+        elif not complete:
+            doubt = f"cut short by the {DECISION_SECONDS:g} s limit (a busy or slow machine)"
+        else:
+            doubt = _distrust(times, waits, choice)
+        sized = waits.get("calibration", [None])[0]
+        if doubt is None and shape != [batch_size, block_size] and sized is not None and sized > MAX_WAIT:
+            # fewer rows than the run's understate bf16's gain: sized under load, the passes may be too small
+            doubt = (f"the passes were sized ({shape[0]} sequences of {shape[1]} tokens, not {batch_size} of "
+                     f"{block_size}) while the calibration waited {sized:.0%} of its time for a core")
     entry = {"choice": choice, "why": why, "fp32_ms": [round(1e3 * t, 1) for t in times["fp32"]],
              "bf16_ms": [round(1e3 * t, 1) for t in times["bf16"]], "bf16_matmul_slowdown": round(slowdown, 2),
-             "probe": shape, "decided_in_s": round(_clock() - started, 2), **facts}
-    if complete:
+             "wait_share": {k: [None if w is None else round(w, 2) for w in v] for k, v in waits.items()},
+             "probe": shape, "decided_in_s": round(_clock() - started, 2), "trusted": doubt is None, **facts}
+    if doubt is None:
         cache[key] = entry
         _write_json(path, cache)
-    log.info("precision auto: %s (measured on this CPU in %.1f s: %s; %s %s)", choice, entry["decided_in_s"], why,
-             "cached in" if complete else "not cached, measured again next time:", path)
-    return choice
+        say("precision auto: %s (measured on this CPU in %.1f s: %s; cached in %s)", choice,
+            entry["decided_in_s"], why, path)
+        return Decision(choice, "measured", entry, path)
+    entry["untrusted"] = doubt
+    if key in cache:  # a cached answer this measurement doubts is not kept either
+        del cache[key]
+        _write_json(path, cache)
+    say("precision auto: %s (measured on this CPU in %.1f s: %s; not cached: %s; the run measures again "
+        "once its steps show a quiet machine)", choice, entry["decided_in_s"], why, doubt)
+    return Decision(choice, "untrusted", entry, path)
+
+
+def _cached_times(entry: dict) -> dict[str, list[float]]:
+    try:
+        return {name: [ms / 1e3 for ms in entry.get(f"{name}_ms") or []] for name in ("fp32", "bf16")}
+    except TypeError:
+        return {"fp32": [], "bf16": []}
+
+
+def _best(seconds: list[float]) -> float:
+    """A precision's best timed pass (its warm-up only where no timed one ran)."""
+    return min(seconds[1:] or seconds)
+
+
+def _unbelievable(times: dict[str, list[float]], slowdown: Optional[float]) -> Optional[str]:
+    """Why bf16's passes cannot be its speed, or None: UNBELIEVABLE times slower than fp32's
+    where bf16's matmuls (timed in their thread's CPU time, which others' load does not
+    stretch) are faster than fp32's. Casts and small ops cost bf16 a little on small models,
+    never several times what the matmuls gain."""
+    if not times["fp32"] or not times["bf16"] or not isinstance(slowdown, (int, float)) or slowdown >= 1.0:
+        return None
+    ratio = _best(times["bf16"]) / max(_best(times["fp32"]), 1e-9)
+    if ratio <= UNBELIEVABLE:
+        return None
+    return (f"bf16 passes {ratio:.1f}x slower than fp32's where bf16 matmuls are {1 / max(slowdown, 1e-9):.1f}x "
+            "faster: load, not speed")
+
+
+def _distrust(times: dict[str, list[float]], waits: dict[str, list[Optional[float]]], choice: str) -> Optional[str]:
+    """Why a finished measurement is not to be cached, or None. Load only ever slows a pass,
+    so only the precision that lost can have lost to it: its best timed pass waited over
+    MAX_WAIT of its runnable time for a core (others took the cores), or a timed pass took
+    over MAX_SPREAD times its fastest pass, warm-up included (load came and went: its best
+    may be held down too; where waits cannot be read, this is the evidence)."""
+    loser = "fp32" if choice == "bf16" else "bf16"
+    seconds = times[loser]
+    if not seconds:
+        return None
+    first = 1 if len(seconds) > 1 else 0
+    best = min(range(first, len(seconds)), key=seconds.__getitem__)
+    waited = waits[loser][best] if best < len(waits[loser]) else None
+    if waited is not None and waited > MAX_WAIT:
+        return (f"{loser}'s best pass ({1e3 * seconds[best]:.0f} ms) waited {waited:.0%} of its time for a core: "
+                "other load on the cores")
+    # Its warm-up pass, which also sets its kernels up, is never faster than a timed one unless load came.
+    timed = seconds[first:]
+    if max(timed) > MAX_SPREAD * min(seconds):
+        return (f"{loser}'s passes differ {max(timed) / min(seconds):.2f}x "
+                f"({', '.join(f'{1e3 * t:.0f}' for t in seconds)} ms, the first a warm-up): load came and went")
+    return None
 
 
 @contextlib.contextmanager
@@ -321,15 +478,19 @@ def _own_gradients(model: torch.nn.Module):
 def _timed_passes(model: torch.nn.Module, batch_size: int, block_size: int, slowdown: float,
                   measure: Callable[[torch.nn.Module, str, int, int], float],
                   calibrate: Callable[[torch.nn.Module, int], float],
-                  times: dict[str, list[float]], shape: list[int], deadline: float) -> tuple[str, str, bool]:
-    """Step 2 of measured_cpu_choice: (choice, why, complete), the passes' seconds added to
-    `times`, the probe's (sequences, tokens) put in `shape`. Not complete: stopped by the
-    deadline before a timed round of both."""
+                  times: dict[str, list[float]], waits: dict[str, list[Optional[float]]], shape: list[int],
+                  deadline: float) -> tuple[str, str, bool]:
+    """Step 2 of cpu_decision: (choice, why, complete), the passes' seconds added to `times`
+    and the share of each that its threads waited for a core to `waits`, the probe's
+    (sequences, tokens) put in `shape`. Not complete: stopped by the deadline before a timed
+    round of both."""
     def fits(seconds: float) -> bool:
         return SAFETY * seconds <= deadline - _clock()
 
     tokens = min(block_size, 64)  # one short sequence: how fast fp32 passes go, to size the others
+    before = _cpu_wait()
     seconds_per_flop = calibrate(model, tokens) / (model.flops_per_token(tokens) * tokens)
+    waits["calibration"] = [wait_share(before, _cpu_wait())]
     shape[:] = probe_shape(model, batch_size, block_size, seconds_per_flop)
     sequences, tokens = shape
     first = seconds_per_flop * model.flops_per_token(tokens) * tokens * sequences  # the first fp32 pass, expected
@@ -341,14 +502,21 @@ def _timed_passes(model: torch.nn.Module, batch_size: int, block_size: int, slow
                 if not times["bf16"]:  # the machine is slow or busy: the matmul probe decides
                     return _by_matmuls(slowdown, f"{sequences} sequences of {tokens} tokens")
                 return (*_faster(times, f"stopped at the {DECISION_SECONDS:g} s deadline"), round_ > 1)
+            before = _cpu_wait()
             seconds = measure(model, name, sequences, tokens)
             times[name].append(seconds)
+            waits[name].append(wait_share(before, _cpu_wait()))
             # A slow bf16 warm-up where its matmuls are faster is its kernels' set-up (up to a second
-            # on a busy machine): the timed rounds decide. Where they are not, it ends the probe.
+            # on a busy machine): the timed rounds decide. Where they are not, it ends the probe,
+            # unless load made it slow (it waited for the cores, or it is not believable): the
+            # next rounds decide, and whether the answer is trusted (_distrust).
             warmup = round_ == 0
-            if name == "bf16" and seconds > (WARMUP_LOSING if warmup else LOSING) * times["fp32"][-1] \
-                    and not (warmup and slowdown < 1.0):
-                return "fp32", (f"a bf16 pass took {seconds / times['fp32'][-1]:.1f}x fp32's "
+            ratio = seconds / times["fp32"][-1]
+            credible = (waits[name][-1] is None or waits[name][-1] <= MAX_WAIT) and not (
+                slowdown < 1.0 and ratio > UNBELIEVABLE)
+            if name == "bf16" and ratio > (WARMUP_LOSING if warmup else LOSING) \
+                    and not (warmup and slowdown < 1.0) and credible:
+                return "fp32", (f"a bf16 pass took {ratio:.1f}x fp32's "
                                 f"({1e3 * seconds:.0f} ms against {1e3 * times['fp32'][-1]:.0f} ms); probe stopped"), True
     return (*_faster(times, f"{sequences} sequences of {tokens} tokens"), True)
 
@@ -362,9 +530,125 @@ def _by_matmuls(slowdown: float, what: str) -> tuple[str, str, bool]:
 
 def _faster(times: dict[str, list[float]], note: str) -> tuple[str, str]:
     """bf16 if its best timed pass (warm-ups only where nothing else ran) is 5% faster."""
-    best = {name: min(t[1:] or t) for name, t in times.items()}
+    best = {name: _best(t) for name, t in times.items()}
     choice = "bf16" if best["bf16"] < 0.95 * best["fp32"] else "fp32"
     return choice, f"fp32 {1e3 * best['fp32']:.1f} ms, bf16 {1e3 * best['bf16']:.1f} ms per forward+backward, {note}"
+
+
+class RunCheck:
+    """A step callback: trainer.precision=auto's CPU decision checked against the run's own
+    steps, once, and corrected.
+
+    A decision is checked when its measurement was not trusted (not cached: load at start),
+    when it came from a cache entry of an older version (made without load checks), or when
+    the run's steady steps are RUN_FASTER times faster than the cached passes of its
+    precision say they can be (an entry timed under load the checks missed; only where the
+    passes ran the real micro-batch, so that a step, which adds the optimizer to a pass,
+    cannot honestly be faster). From the second log window on, at the first one whose steps
+    had the cores (rank 0's threads waited under MAX_WAIT of their runnable time; up to
+    RUN_CHECK_WINDOWS windows), rank 0 measures again at the step boundary (cpu_decision,
+    cache bypassed: bounded as at start, on the model itself, or on a new copy where its
+    forward pass needs every rank) while the others wait for its answer in the store. A
+    trusted answer is cached; if it differs, every rank switches autocast from the next step
+    (fp32 and bf16 need no loss scaler; Trainer.switch_precision), unless the strategy fixed
+    the compute dtype (FSDP) or the run is deterministic: then only the cache is corrected,
+    for the next runs. One line says what was found."""
+
+    def __init__(self, decision: Decision, clock: Callable[[], float] = time.perf_counter,
+                 measure_again: Optional[Callable[[torch.nn.Module, int, int, str], Decision]] = None):
+        """`clock` and `measure_again` (model, batch, block, cache file -> Decision) replaceable in tests."""
+        self.decision = decision
+        self._clock = clock
+        self._measure_again = measure_again or (lambda model, batch, block, path: cpu_decision(
+            model, batch, block, path, use_cache=False, announce=False))
+        self._last: Optional[float] = None  # when the previous step ended
+        self._intervals: list[float] = []  # this log window's step times
+        self._wait = None  # rank 0's cpu_wait() at the window's start
+        self._windows = 0  # log windows ended in this process (the first: warm-up)
+        self.done = False
+
+    @classmethod
+    def for_trainer(cls, trainer) -> Optional["RunCheck"]:
+        """The check for a run whose precision `auto` decided on a CPU at start (not a resume's)."""
+        decision = getattr(trainer, "precision_decision", None)
+        if decision is None or (decision.doubt is None and not _predicts_steps(decision.entry, trainer)):
+            return None  # nothing to check it by
+        return cls(decision)
+
+    def __call__(self, trainer) -> None:
+        if self.done:
+            return
+        now = self._clock()
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+        if trainer.state.step % trainer.cfg.log_every:
+            return
+        self._windows += 1
+        intervals, self._intervals = self._intervals, []
+        started, self._wait = self._wait, _cpu_wait() if trainer.dist.is_main else None
+        if self._windows < 2:  # the first window warms up (allocations, thread pools)
+            return
+        verdict = distributed.wait_for_main(lambda: self._verdict(trainer, intervals, wait_share(started, self._wait)),
+                                             "checking trainer.precision=auto against the run's steps")
+        if verdict is None:
+            return
+        self.done = True
+        choice, note = verdict
+        if note:
+            trainer.metrics.note(note)
+        if choice is not None and choice != trainer.precision.name:
+            trainer.switch_precision(PrecisionPlan(choice, trainer.device.type))
+        self._last = self._clock()  # the measurement is no step
+
+    def _verdict(self, trainer, intervals: list[float], share: Optional[float]):
+        """Rank 0: None to look again at the next log window; else (the precision to switch
+        to, or None) and the line to log (or None)."""
+        if (share is not None and share > MAX_WAIT) or not intervals:  # others' load: not now
+            if self._windows <= RUN_CHECK_WINDOWS:
+                return None
+            return None, (f"precision auto: {trainer.precision.name} kept unchecked ({self.decision.doubt}): other "
+                          f"load on the cores in each of {RUN_CHECK_WINDOWS} log windows" if self.decision.doubt else None)
+        step_s = sorted(intervals)[len(intervals) // 2]  # the median: an evaluation or save between steps is no step
+        reason = self.decision.doubt or self._outrun(step_s, trainer)
+        if reason is None:
+            return None, None
+        current, step = trainer.precision.name, trainer.state.step
+        model = trainer.model
+        if trainer.strategy.collective_forward:  # sharded (FSDP): rank 0 times an unsharded copy
+            from mingpt_ddp.model import GPT  # the model's own class, not FSDP's subclass of it
+            model = GPT(model.cfg)
+        new = self._measure_again(model, trainer.cfg.batch_size, trainer.block_size, self.decision.path)
+        head = f"precision auto: checked at step {step} ({reason}) by measuring again"
+        if new.source != "measured":
+            return None, f"{head}: not trusted either ({new.entry.get('untrusted')}); {current} kept, nothing cached"
+        if new.choice == current:
+            return None, f"{head}: {current} confirmed ({new.entry['why']}); cached"
+        blocker = trainer.strategy.fixed_precision or ("trainer.deterministic=true: a run does not change its numerics "
+                                                       "by timing" if trainer.cfg.deterministic else None)
+        if blocker:
+            return None, (f"{head}: {new.choice} is faster here ({new.entry['why']}); cached for the next runs, this "
+                          f"run stays in {current} ({blocker})")
+        return new.choice, (f"{head}: {new.choice} is faster here ({new.entry['why']}): switching from {current} "
+                            f"from step {step + 1}; cached")
+
+    def _outrun(self, step_s: float, trainer) -> Optional[str]:
+        """Why the decision's passes look timed under load, or None: the run's steps are
+        RUN_FASTER times faster than the passes of its precision, where they ran the real micro-batch."""
+        entry, name = self.decision.entry, trainer.precision.name
+        if not _predicts_steps(entry, trainer):
+            return None
+        floor = _best(_cached_times(entry)[name]) * trainer.accum_steps
+        if step_s * RUN_FASTER > floor:
+            return None
+        return (f"this run's {name} steps take {1e3 * step_s:.0f} ms where the decision's {name} passes took "
+                f"{1e3 * floor:.0f} ms per step: they were timed under load")
+
+
+def _predicts_steps(entry: dict, trainer) -> bool:
+    """Whether the decision's passes of the run's precision ran the run's own micro-batch."""
+    return bool(_cached_times(entry).get(trainer.precision.name)) and \
+        entry.get("probe") == [trainer.cfg.batch_size, trainer.block_size]
 
 
 def _read_json(path: str) -> dict:

@@ -172,6 +172,9 @@ class Trainer:
         self.device = dist.device
         self.model = model  # placed (or, built on the meta device, filled in) by the strategy
         self.block_size = model.cfg.block_size
+        # What trainer.precision=auto measured on a CPU at start (None otherwise, and on a resume):
+        # precision.RunCheck checks it against the run's own steps.
+        self.precision_decision: Optional[precision.Decision] = None
         self.precision = self._resolve_precision(resumed_precision)
         profiling.mark("precision decided")
         if self.device.type == "cuda":
@@ -254,8 +257,26 @@ class Trainer:
                                   "trainer.precision=auto decides again")
         # Measured by rank 0 alone (seconds on a busy CPU): the others wait in the store, not in a collective.
         model = self.model
-        return precision.resolve(requested, self.device, measure_cpu=lambda: distributed.wait_for_main(
-            lambda: precision.measured_cpu_choice(model, self.cfg.batch_size, self.block_size), "timing fp32 against bf16"))
+
+        def measure() -> str:
+            self.precision_decision = distributed.wait_for_main(
+                lambda: precision.cpu_decision(model, self.cfg.batch_size, self.block_size), "timing fp32 against bf16")
+            return self.precision_decision.choice
+        return precision.resolve(requested, self.device, measure_cpu=measure)
+
+    def switch_precision(self, plan: precision.PrecisionPlan) -> None:
+        """Train in `plan` from the next step (precision.RunCheck corrects `auto`'s choice at a
+        step boundary, on every rank): fp32 and bf16 only, neither needs a loss scaler. The
+        snapshots record it, so a resume keeps it; Muon orthogonalises in it; MFU is quoted
+        against its peak. A compiled model compiles again for the new autocast state."""
+        assert not (plan.uses_scaler or self.precision.uses_scaler), "fp16's scaler cannot start mid-run"
+        self.precision = self.strategy.precision = plan
+        if hasattr(self.optimizer, "ns_dtype"):
+            self.optimizer.ns_dtype = plan.dtype
+        peak = distributed.wait_for_main(lambda: cached_peak(self.device, plan.dtype, self._peak_shapes),
+                                         "measuring the matmul peak")
+        self.peak_flops = peak.flops
+        self.datasheet_peak_flops = datasheet_peak_flops(self.device, plan.dtype)
 
     def _emulated_bf16_slowdown(self, plan: precision.PrecisionPlan) -> Optional[float]:
         """How much slower this CPU runs the model's bf16 matmuls than fp32, where that is enough

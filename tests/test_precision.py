@@ -18,25 +18,32 @@ def tiny_model(n_embd: int = 32) -> GPT:
 
 
 CLOCK = [0.0]  # the decision's clock: the fake timers below advance it by what they "took"
+RUN_WAIT = [0.0, 0.0]  # this process's threads' seconds run and waited for a core (precision.cpu_wait)
 
 
 @pytest.fixture(autouse=True)
 def fake_clock(monkeypatch):
-    CLOCK[0] = 0.0
+    CLOCK[0], RUN_WAIT[:] = 0.0, [0.0, 0.0]
     monkeypatch.setattr(precision, "_clock", lambda: CLOCK[0])
+    monkeypatch.setattr(precision, "_cpu_wait", lambda: tuple(RUN_WAIT))
 
 
-def fake_measure(times: dict[str, float], calls: list, overrun: float = 1.0):
+def fake_measure(times: dict[str, float], calls: list, overrun: float = 1.0, load=None):
     """One pass's seconds by precision, per sequence (`overrun` times what the calibration
-    predicted: load that came after it)."""
+    predicted: load that came after it). `load(name, call)`: (how many times slower, the share
+    of its time its threads waited for a core) of the call-th pass (0, 1, ...) of `name`: a load spike."""
     def measure(model, name, batch, block):
         calls.append((name, batch, block))
-        CLOCK[0] += times[name] * batch * overrun
-        return times[name] * batch * overrun
+        slower, waited = load(name, sum(c[0] == name for c in calls) - 1) if load else (1.0, 0.0)
+        seconds = times[name] * batch * overrun * slower
+        CLOCK[0] += seconds
+        RUN_WAIT[0] += seconds * (1 - waited)
+        RUN_WAIT[1] += seconds * waited
+        return seconds
     return measure
 
 
-def choose(model, batch, block, cache, times, calls, slowdown=1.0, overrun=1.0):
+def choose(model, batch, block, cache, times, calls, slowdown=1.0, overrun=1.0, load=None):
     """The matmul probe takes 0.05 s; the calibration (one block of one sequence) a quarter
     of what it predicts for a whole pass of one sequence, fp32's time."""
     def matmul_probe(n_embd, rows):
@@ -46,7 +53,7 @@ def choose(model, batch, block, cache, times, calls, slowdown=1.0, overrun=1.0):
     def calibrate(model, tokens):
         CLOCK[0] += times["fp32"] / 4
         return times["fp32"]
-    return precision.measured_cpu_choice(model, batch, block, str(cache), fake_measure(times, calls, overrun),
+    return precision.measured_cpu_choice(model, batch, block, str(cache), fake_measure(times, calls, overrun, load),
                                          matmul_probe, calibrate)
 
 
@@ -77,6 +84,75 @@ def test_a_slow_bf16_warm_up_where_its_matmuls_are_faster_is_set_up_not_speed(tm
     choice = precision.measured_cpu_choice(tiny_model(), 32, 16, str(tmp_path / "a.json"), slow_first_bf16,
                                            lambda d, rows: 0.5, lambda model, tokens: 1e-3)
     assert choice == "bf16" and calls == ["fp32", "bf16"] * 3
+
+
+def spike(precision_name: str, slower: float, waited: float):
+    """A load spike on every pass of one precision: `slower` times its quiet time, its threads
+    waiting `waited` of it for a core."""
+    return lambda name, call: (slower, waited) if name == precision_name else (1.0, 0.0)
+
+
+def test_a_load_spike_during_the_bf16_passes_is_not_cached(tmp_path, monkeypatch):
+    """Issue 32: "a bf16 pass took 5.8x fp32's (838 ms against 143 ms); probe stopped; cached",
+    and every later run trained in fp32 at half speed. A pass that waited for the cores does
+    not end the probe, and a loser whose passes waited is not cached: the next quiet
+    measurement decides."""
+    cache, calls = tmp_path / "a.json", []
+    quiet = {"fp32": 1e-3, "bf16": 5e-4}
+    choice = choose(tiny_model(), 32, 16, cache, quiet, calls, load=spike("bf16", 11.6, 0.8))
+    assert choice == "fp32" and len(calls) == 6 and not cache.exists()  # no early stop, nothing cached
+    assert choose(tiny_model(), 32, 16, cache, quiet, []) == "bf16"  # quiet: measured again, and cached
+    assert json.loads(cache.read_text())
+    # Where waits cannot be read (no /proc), other evidence: bf16 5.8x slower than fp32 where its
+    # matmuls are 3x faster is load, not speed: the matmuls decide, nothing is cached ...
+    monkeypatch.setattr(precision, "_cpu_wait", lambda: None)
+    assert choose(tiny_model(), 32, 16, tmp_path / "b.json", quiet, [], slowdown=0.33,
+                  load=spike("bf16", 11.6, 0.0)) == "bf16"
+    assert not (tmp_path / "b.json").exists()
+    # ... and a spike on one timed pass, which lost, against its own warm-up: load came and went.
+    calls = []
+    one_spike = lambda name, call: (4.0, 0.0) if (name, call) == ("bf16", 1) else (1.0, 0.0)  # noqa: E731
+    assert choose(tiny_model(), 32, 16, tmp_path / "c.json", quiet, calls, load=one_spike) == "fp32"
+    assert len(calls) == 4 and not (tmp_path / "c.json").exists()
+    # A spike during the calibration alone sizes the passes smaller than the run's batch (fewer rows
+    # understate bf16's gain): not cached either.
+    monkeypatch.setattr(precision, "_cpu_wait", lambda: tuple(RUN_WAIT))
+
+    def loaded_calibration(model, tokens):
+        CLOCK[0] += 0.01
+        RUN_WAIT[0], RUN_WAIT[1] = RUN_WAIT[0] + 0.003, RUN_WAIT[1] + 0.007
+        return 8 * 0.2 / 32  # four times what one sequence takes when quiet
+    calls = []
+    choice = precision.measured_cpu_choice(tiny_model(), 32, 16, str(tmp_path / "d.json"),
+                                           fake_measure({"fp32": 0.2 / 32, "bf16": 0.1 / 32}, calls),
+                                           lambda d, rows: 1.0, loaded_calibration)
+    assert choice == "bf16" and calls[0][1] < 32 and not (tmp_path / "d.json").exists()
+
+
+def test_a_quiet_measurement_is_cached_with_the_evidence_it_was_trusted_on(tmp_path):
+    """Load only ever slows a pass: a winner whose passes waited for the cores won anyway, so
+    that answer is cached; a quiet losing bf16 still ends the probe at once, cached."""
+    cache, calls = tmp_path / "a.json", []
+    assert choose(tiny_model(), 32, 16, cache, {"fp32": 1e-3, "bf16": 5e-4}, calls,
+                  load=spike("bf16", 1.2, 0.5)) == "bf16"
+    entry = next(iter(json.loads(cache.read_text()).values()))
+    assert entry["trusted"] is True and entry["wait_share"] == {"fp32": [0.0] * 3, "bf16": [0.5] * 3,
+                                                            "calibration": [0.0]}
+    calls = []
+    assert choose(tiny_model(), 32, 16, tmp_path / "b.json", {"fp32": 1e-3, "bf16": 1.6e-3}, calls) == "fp32"
+    assert len(calls) == 4 and next(iter(json.loads((tmp_path / "b.json").read_text()).values()))["trusted"]
+
+
+def test_a_cached_decision_that_is_not_believable_is_measured_again(tmp_path):
+    """The entry an older version cached under a load spike: bf16 5.8x slower than fp32 where
+    its matmuls were 3x faster. It is measured again (and dropped unless trusted)."""
+    model, cache, calls = tiny_model(), tmp_path / "precision.json", []
+    key = precision.decision_key(precision.cpu_facts(), model.cfg, 32, 16)
+    cache.write_text(json.dumps({key: {"choice": "fp32", "why": "a bf16 pass took 5.8x fp32's; probe stopped",
+                                       "fp32_ms": [150.0, 143.0], "bf16_ms": [400.0, 838.0],
+                                       "bf16_matmul_slowdown": 0.33, "probe": [32, 16]}}))
+    assert choose(model, 32, 16, cache, {"fp32": 1e-3, "bf16": 5e-4}, calls, slowdown=0.33) == "bf16"
+    assert len(calls) == 6 and json.loads(cache.read_text())[key]["choice"] == "bf16"
 
 
 def test_bf16_matmuls_several_times_slower_mean_no_bf16_pass_at_all(tmp_path):
@@ -337,3 +413,90 @@ def test_a_cpu_matmul_peak_is_measured_once_and_kept_beside_the_precision_cache(
         entry["slowdown"] = None
     (tmp_path / "matmul_peak.json").write_text(json.dumps(cache))
     assert metrics.cached_peak(cpu, torch.float32, shapes).flops == 1e11 and len(measured) == 4
+
+
+class RunSteps:
+    """Drives a RunCheck as the loop does, on a fake clock: `step_ms` per step, and per step the
+    share its threads waited for a core (rank 0's cpu_wait), then the measurement it asks for."""
+
+    def __init__(self, trainer, check):
+        self.trainer, self.check, self.notes = trainer, check, []
+        trainer.metrics.note = self.notes.append
+
+    def run(self, steps, step_ms, waited=0.0):
+        for _ in range(steps):
+            CLOCK[0] += step_ms / 1e3
+            RUN_WAIT[0] += step_ms / 1e3 * (1 - waited)
+            RUN_WAIT[1] += step_ms / 1e3 * waited
+            self.trainer.state.step += 1
+            self.check(self.trainer)
+
+
+def run_check(trainer, cache, quiet, calls):
+    """A RunCheck on trainer's decision, measuring again with the fake timers (`quiet` times)."""
+    def measure_again(model, batch, block, path):
+        def calibrate(model, tokens):
+            CLOCK[0] += quiet["fp32"] / 4
+            return quiet["fp32"]
+        return precision.cpu_decision(model, batch, block, path, fake_measure(quiet, calls), lambda d, rows: 1.0,
+                                      calibrate, use_cache=False)
+    return RunSteps(trainer, precision.RunCheck(trainer.precision_decision, lambda: CLOCK[0], measure_again))
+
+
+def cached_decision(trainer, cache, **entry):
+    """The decision a run starts with when `entry` is cached for its model."""
+    key = precision.decision_key(precision.cpu_facts(), trainer.model.cfg, trainer.cfg.batch_size, trainer.block_size)
+    cache.write_text(json.dumps({key: entry}))
+    calls = []
+    decision = precision.cpu_decision(trainer.model, trainer.cfg.batch_size, trainer.block_size, str(cache),
+                                      fake_measure({}, calls))
+    assert decision.source == "cached" and not calls
+    return decision, key
+
+
+def test_a_wrong_cached_choice_is_corrected_by_the_runs_own_steps_once(tmp_path, shakespeare, monkeypatch):
+    """Issue 32: an fp32 entry whose passes were timed under load (40 ms a pass, where this run's
+    fp32 steps take 10 ms, the optimizer included). After a warm-up window, at the first
+    window whose steps had the cores, rank 0 measures again: bf16 is faster, so every rank
+    trains in bf16 from the next step, the snapshot says so, and the cache is corrected."""
+    from test_trainer import make_trainer
+    from mingpt_ddp import metrics, trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cached_peak", lambda device, dtype, shapes: metrics.Peak(1e11, str(dtype)))
+    trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5)
+    cache, calls = tmp_path / "precision.json", []
+    trainer.precision_decision, key = cached_decision(
+        trainer, cache, choice="fp32", why="under load", fp32_ms=[45.0, 40.0, 41.0], bf16_ms=[70.0, 66.0, 67.0],
+        bf16_matmul_slowdown=1.0, probe=[4, 16], trusted=True, wait_share={})
+    assert precision.RunCheck.for_trainer(trainer) is not None
+    steps = run_check(trainer, cache, {"fp32": 2.5e-3, "bf16": 1e-3}, calls)
+    steps.run(10, step_ms=10, waited=0.5)  # warm-up, then a window under others' load: not now
+    assert not calls and trainer.precision.name == "fp32"
+    steps.run(5, step_ms=10)
+    assert len(calls) == 6 and trainer.precision.name == "bf16" and trainer.state_dict()["precision"] == "bf16"
+    assert len(steps.notes) == 1 and "switching from fp32 from step 16" in steps.notes[0], steps.notes
+    assert json.loads(cache.read_text())[key]["choice"] == "bf16"
+    steps.run(20, step_ms=5)  # once
+    assert len(calls) == 6 and len(steps.notes) == 1
+
+
+def test_a_choice_the_run_cannot_switch_is_corrected_for_the_next_runs(tmp_path, shakespeare, monkeypatch):
+    """An entry of an older version (no load checks) is measured again once. Where the run
+    cannot switch (FSDP fixed its compute dtype, or a deterministic run), only the cache is."""
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5, deterministic=True)
+    cache, calls = tmp_path / "precision.json", []
+    trainer.precision_decision, key = cached_decision(
+        trainer, cache, choice="fp32", why="older", fp32_ms=[3.0, 3.0], bf16_ms=[8.0, 8.0], bf16_matmul_slowdown=1.0,
+        probe=[2, 16])
+    assert trainer.precision_decision.doubt
+    steps = run_check(trainer, cache, {"fp32": 2.5e-3, "bf16": 1e-3}, calls)
+    steps.run(10, step_ms=10)
+    assert trainer.precision.name == "fp32" and "this run stays in fp32 (trainer.deterministic=true" in steps.notes[0]
+    assert json.loads(cache.read_text())[key]["choice"] == "bf16"
+    # A trusted entry whose passes ran another batch than the run's says nothing about its steps: no check.
+    trainer.precision_decision, _ = cached_decision(
+        trainer, cache, choice="fp32", why="quiet", fp32_ms=[3.0, 3.0], bf16_ms=[8.0, 8.0], bf16_matmul_slowdown=1.0,
+        probe=[2, 16], trusted=True)
+    assert precision.RunCheck.for_trainer(trainer) is None

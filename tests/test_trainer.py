@@ -117,8 +117,9 @@ def resumed_under_auto(text, monkeypatch, bf16_slowdown):
     `bf16_slowdown` times fp32's; returns (the precision used, whether auto decided again)."""
     decided = []
     monkeypatch.setattr("mingpt_ddp.precision.bf16_matmul_slowdown", lambda n_embd, rows: bf16_slowdown)
-    monkeypatch.setattr("mingpt_ddp.precision.measured_cpu_choice",
-                        lambda *args, **kwargs: decided.append(True) or "fp32")
+    from mingpt_ddp.precision import Decision
+    monkeypatch.setattr("mingpt_ddp.precision.cpu_decision",
+                        lambda *args, **kwargs: decided.append(True) or Decision("fp32", "measured", {}, ""))
     trainer = make_trainer(text, "auto", resumed_precision="bf16")
     return trainer.precision.name, bool(decided)
 
