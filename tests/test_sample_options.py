@@ -71,7 +71,7 @@ def test_the_closing_sample_is_bounded_in_time_and_says_so(tmp_path):
     threads = torch.get_num_threads()
     cut = sample.preview(model, tok, str(tmp_path), tokens=240, seconds=0)
     assert "a sample of what the model writes now:\n" in cut
-    assert "sampling stopped after 0 s, at 16 of 240 tokens; sample more: python -m mingpt_ddp.sample" in cut
+    assert "sampling stopped after 0 s, at 1 of 240 tokens; sample more: python -m mingpt_ddp.sample" in cut
     whole = sample.preview(model, tok, str(tmp_path), tokens=40, seconds=None, lines=100)
     assert "sampling stopped" not in whole and torch.get_num_threads() == threads
     start = torch.from_numpy(tok.encode("\n").astype("int64"))[None]
