@@ -251,16 +251,29 @@ def cpu_threads_per_process(local_world_size: int, env: Mapping[str, str] = os.e
     return max(1, cores // max(1, local_world_size))
 
 
-def cpu_threads(setting: Optional[int], local_world_size: int, env: Mapping[str, str] = os.environ) -> int:
+def cpu_threads(setting: Optional[int], local_world_size: int, env: Mapping[str, str] = os.environ,
+                key: str = "trainer.cpu_threads") -> int:
     """This process's intra-op threads: trainer.cpu_threads (per process) where set, else its
-    share of the cores (cpu_threads_per_process). A ConfigError for a count below 1."""
+    share of the cores (cpu_threads_per_process). A ConfigError naming `key` (the sample
+    tool's is cpu_threads) for a count below 1."""
     share = cpu_threads_per_process(local_world_size, env)
     if setting is None:
         return share
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
-        raise ConfigError(f"trainer.cpu_threads={setting} must be a number of threads per process, 1 or more: "
-                          f"e.g. trainer.cpu_threads={share} (this process's share of the cores), or null for that share")
+        raise ConfigError(f"{key}={setting} must be a number of threads per process, 1 or more: "
+                          f"e.g. {key}={share} (this process's share of the cores), or null for that share")
     return setting
+
+
+def encode_threads(setting: Optional[int], local_world_size: int, env: Mapping[str, str] = os.environ) -> int:
+    """Threads for a corpus's encoding (and BPE training), which one process per node does
+    while the node's other processes wait for it (on_main_then_share(once_per_node=True),
+    idle in the store or a collective): trainer.cpu_threads times the node's processes where
+    set, else all the cores this process may use (its affinity, which torchrun's workers
+    share); never more than those cores. Validates `setting` as cpu_threads does."""
+    per_process = cpu_threads(setting, local_world_size, env)
+    cores = _usable_cores()
+    return cores if setting is None else max(1, min(cores, per_process * max(1, local_world_size)))
 
 
 def _usable_cores() -> int:
@@ -315,10 +328,10 @@ def _set_malloc_options(env: Mapping[str, str] = os.environ) -> bool:
     return applied
 
 
-def _size_thread_pools(n: int, asked: bool, rank: int) -> None:
+def size_thread_pools(n: int, asked: bool, rank: int, key: str = "trainer.cpu_threads") -> None:
     """n intra-op threads (OMP_NUM_THREADS, which torchrun sets to 1 for its workers, is
-    overridden); asked (trainer.cpu_threads): the inter-op pool too, and a warning where n is
-    more than the cores this process may use."""
+    overridden); asked (`key`: trainer.cpu_threads, the sample tool's cpu_threads): the
+    inter-op pool too, and a warning where n is more than the cores this process may use."""
     torch.set_num_threads(n)
     if not asked:
         return
@@ -328,8 +341,8 @@ def _size_thread_pools(n: int, asked: bool, rank: int) -> None:
         pass
     cores = _usable_cores()
     if n > cores and rank == 0:
-        log.warning("trainer.cpu_threads=%d is more than the %d cores this process may use: its threads will wait for "
-                    "each other; set trainer.cpu_threads=%d or less", n, cores, cores)
+        log.warning("%s=%d is more than the %d cores this process may use: its threads will wait for "
+                    "each other; set %s=%d or less", key, n, cores, key, cores)
 
 
 def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta):
@@ -398,7 +411,7 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     else:
         keep_freed_host_memory()
     if device_.type != "cuda" or threads is not None:
-        _size_thread_pools(n_threads, threads is not None, rank)
+        size_thread_pools(n_threads, threads is not None, rank)
     # Every process says it (before rank 0 alone speaks): oversubscribed cores show up here.
     log.info("rank %d (local %d of %d): %s, %d CPU threads", rank, local_rank, local_world_size,
              device_ if problem is None else "no usable device", torch.get_num_threads())

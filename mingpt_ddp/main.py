@@ -375,7 +375,8 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
             return Outcome("finished earlier", finished.last_val_loss, saves_to.url, found.snapshot.get("corpus"))
         resume = on_every_rank(lambda: check_same_run(cfg, found, corpus), dist)
         if data.vocab != data.corpus.vocab:  # encode with the snapshot's ids so resumed weights mean the same
-            corpus_now, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab)
+            corpus_now, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, data.vocab,
+                                             threads=_encode_threads(cfg, dist))
             data = data._replace(corpus=corpus_now, tokenizer=tok)
     return run_training(cfg, dist, run_dir, saves_to, ddp_files, lock, found, data, resume)
 
@@ -422,6 +423,12 @@ def check_same_run(cfg: DictConfig, found: AgreedSnapshot, corpus: corpus_identi
     return ResumeCheck(notes, restart, new_corpus=bool(corpus.changed))
 
 
+def _encode_threads(cfg: DictConfig, dist: DistEnv) -> int:
+    """The corpus encoding's threads: the cores the node's processes may use (trainer.cpu_threads
+    each), as the others wait for the one that encodes (distributed.encode_threads)."""
+    return distributed.encode_threads(config.cpu_threads_setting(cfg.trainer), dist.local_world_size)
+
+
 def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) -> RunData:
     """The corpus and model shape: a resumed run keeps the snapshot's tokenizer and vocabulary."""
     saved_tokenizer = None
@@ -430,7 +437,7 @@ def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) 
         if (found.snapshot.get("tokenizer") or {}).get("kind", "char") != "char":
             saved_tokenizer = found.snapshot["tokenizer"]  # encode with exactly the run's BPE / GPT-2 tokenizer
     corpus, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes,
-                                          tokenizer_state=saved_tokenizer)
+                                          tokenizer_state=saved_tokenizer, threads=_encode_threads(cfg, dist))
     vocab = corpus.vocab
     if found is not None and saved_tokenizer is None:
         vocab = Vocabulary(found.snapshot["vocab"])

@@ -438,6 +438,21 @@ def test_cpu_threads_setting_per_process_and_its_default(monkeypatch):
     assert config.TrainerConfig().cpu_threads is None
 
 
+@pytest.mark.unit
+def test_the_corpus_encoding_uses_the_cores_the_nodes_processes_may_use(monkeypatch):
+    """One process per node encodes while the node's others wait: it may use their threads,
+    never more than its own cores; without trainer.cpu_threads its affinity, not the machine."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    torchrun = {"TORCHELASTIC_RUN_ID": "x"}
+    assert distributed.encode_threads(None, 2, torchrun) == 8  # this process's affinity, not os.cpu_count()
+    assert distributed.encode_threads(3, 2, torchrun) == 6  # 3 per process x the 2 processes of the node
+    assert distributed.encode_threads(3, 1, torchrun) == 3  # the prepare tool: one process
+    assert distributed.encode_threads(5, 2, torchrun) == 8  # at most its cores
+    with pytest.raises(ConfigError, match=r"^trainer.cpu_threads=0 must be"):
+        distributed.encode_threads(0, 2, torchrun)
+
+
 # ---- issue 32 item 3: no allocator churn on CPU ------------------------------------------------------
 FRESH_PROCESS = """
 import resource, torch

@@ -106,3 +106,53 @@ def test_long_encodings_report_progress(caplog, monkeypatch):
         ids_written(tok, corpus_documents())
     lines = [r.getMessage() for r in caplog.records if "encoded" in r.getMessage()]
     assert len(lines) > 5 and "M characters" in lines[-1] and "s left" in lines[-1]
+
+
+# ---- issue 32 item 5: the encoding uses the threads the run may use ----------------------------------
+def test_the_encoding_runs_on_the_threads_it_is_given_not_the_machines_cores(monkeypatch):
+    """tiktoken got os.cpu_count() threads and batches of that many cores' text: every core of
+    the machine, those outside the process's affinity and trainer.cpu_threads included."""
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(encoding, "BATCH_CHARS_PER_CORE", 100)
+    docs = corpus_documents()
+    tok = tokenizer.BpeTokenizer.train([TRAIN_WORDS * 20], 300)
+    calls, original = [], tok.encoding.encode_ordinary_batch
+
+    def spy(texts, *, num_threads):
+        calls.append((num_threads, sum(map(len, texts))))
+        return original(texts, num_threads=num_threads)
+
+    monkeypatch.setattr(tok.encoding, "encode_ordinary_batch", spy)
+    stream = as_stream(docs)
+    total = encoding.scan(stream, collect_chars=False).chars
+    outputs = {}
+    for threads, expected in ((None, 2), (3, 3)):  # None: this process's affinity, not os.cpu_count()
+        calls.clear()
+        out = io.BytesIO()
+        encoding.write_tokens(tok, stream, total, total, out, **({} if threads is None else {"threads": threads}))
+        assert {n for n, _ in calls} == {expected}, calls
+        assert max(chars for _, chars in calls) <= 100 * expected + 60, calls  # 100 characters per thread, + a piece
+        outputs[threads] = out.getvalue()
+    assert outputs[3] == outputs[None]  # the same ids, whatever the threads
+
+
+def test_bpe_training_runs_on_the_threads_it_is_given(monkeypatch):
+    """Hugging Face's trainer sizes its pool (rayon) from RAYON_NUM_THREADS when first used:
+    set while it trains, unset after (no child inherits it); the user's own value wins."""
+    import os
+
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    seen = []
+
+    def texts():
+        seen.append(os.environ.get("RAYON_NUM_THREADS"))
+        yield TRAIN_WORDS * 20
+
+    tokenizer.BpeTokenizer.train(texts(), 300, threads=3)
+    assert seen == ["3"] and "RAYON_NUM_THREADS" not in os.environ
+    monkeypatch.setenv("RAYON_NUM_THREADS", "5")
+    tokenizer.BpeTokenizer.train(texts(), 300, threads=3)
+    assert seen[-1] == "5" and os.environ["RAYON_NUM_THREADS"] == "5"

@@ -117,3 +117,38 @@ def test_ranks_sampling_together_stop_after_the_same_chunk_by_rank0s_clock(tmp_p
     for rank in (0, 1):
         # rank 1's line names its own bound, but it stopped at rank 0's: after the same first chunk (4 tokens)
         assert f"rank {rank}: sampling stopped after {0 if rank == 0 else 3600} s, at 4 of 240 tokens" in done.stdout
+
+
+# ---- issue 32 item 5: the sample tool's threads ------------------------------------------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("value", ["0", "-2", "four", "1.5"])
+def test_a_bad_cpu_threads_is_one_clear_line(tiny_snapshot, value, capsys):
+    from mingpt_ddp.tools import sample
+
+    with pytest.raises(SystemExit) as stopped:
+        sample.cli([str(tiny_snapshot), "prompt=ab", f"cpu_threads={value}"])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: cpu_threads={value} must be a number of threads per process, 1 or more"), err
+
+
+@pytest.mark.unit
+def test_the_sample_tool_runs_on_cpu_threads_or_its_share_of_the_cores(tiny_snapshot, monkeypatch, capsys):
+    """cpu_threads=N sizes torch's pool as trainer.cpu_threads does for a run; without it, this
+    process's share (its affinity), not torch's own count (OMP_NUM_THREADS or every core)."""
+    import os
+
+    import torch
+    from mingpt_ddp.tools import sample
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    before = torch.get_num_threads()
+    try:
+        for option, expected in (("cpu_threads=1", 1), ("cpu_threads=null", 3)):
+            torch.set_num_threads(5)
+            sample.cli([str(tiny_snapshot), "prompt=ab", "max_new_tokens=2", option])
+            assert torch.get_num_threads() == expected, option
+    finally:
+        torch.set_num_threads(before)
+    assert sample.parse_args(["x", "cpu_threads=4"])[1].cpu_threads == 4

@@ -243,6 +243,37 @@ def test_prepare_encodes_ahead_of_the_job(tmp_path, small_corpus):
         assert "Traceback" not in bad.stderr
 
 
+@pytest.mark.unit
+def test_prepare_and_a_run_encode_on_the_threads_trainer_cpu_threads_gives(tmp_path, monkeypatch):
+    """The prepare tool composes the run's config: trainer.cpu_threads sets the encoding's
+    threads there (one process), a bad value is refused naming it; load_corpus (a run, bench)
+    passes its count down to the tokenizer."""
+    from mingpt_ddp import config, distributed
+    from mingpt_ddp.tools import prepare as prepare_tool
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    (tmp_path / "t.txt").write_text("the cat sat on the mat. " * 200)
+    seen, original = [], tokenizer.BpeTokenizer.encode_batch
+
+    def spy(self, texts, threads=None):
+        seen.append(threads)
+        return original(self, texts)
+
+    monkeypatch.setattr(tokenizer.BpeTokenizer, "encode_batch", spy)
+    args = [f"data.path={tmp_path / 't.txt'}", "data.tokenizer=bpe", "data.vocab_size=290"]
+    prepare_tool.prepare([*args, f"data.cache_dir={tmp_path / 'a'}", "trainer.cpu_threads=3"])
+    assert seen and set(seen) == {3}, seen
+    with pytest.raises(ConfigError, match=r"^trainer.cpu_threads=0 must be a number of threads"):
+        prepare_tool.prepare([*args, f"data.cache_dir={tmp_path / 'b'}", "trainer.cpu_threads=0"])
+    seen.clear()
+    data = config.DataConfig(path=str(tmp_path / "t.txt"), cache_dir=str(tmp_path / "c"), block_size=16,
+                             tokenizer="bpe", vocab_size=290)
+    single = distributed.DistEnv(rank=0, local_rank=0, world_size=1, local_world_size=1,
+                                 device=torch.device("cpu"), backend="gloo")
+    token_cache.load_corpus(data, single, 0.0, threads=2)
+    assert seen and set(seen) == {2}, seen
+
+
 SPY = """
 import os
 if os.environ.get("ENCODE_SPY"):

@@ -16,14 +16,14 @@ records how many tokens are training tokens. The BPE is trained on the training 
 Passes over the files, each streaming (memory: a bounded batch of text and its ids):
 1. count the characters (and, for `char`, collect them);
 2. `bpe` only: train the tokenizer on the training side;
-3. encode, in batches on all cores (tiktoken's threads), with a progress line every
-   PROGRESS_S seconds.
+3. encode, in batches on `threads` threads (tiktoken's; the caller's count: the cores the
+   run may use, distributed.encode_threads; default this process's cores), with a progress
+   line every PROGRESS_S seconds.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
@@ -83,8 +83,9 @@ def train_chars(total_chars: int, val_fraction: float) -> int:
 
 
 def train_bpe(stream_of_documents: Callable[[], Iterable[Iterable[str]]], split: int, vocab_size: int,
-              max_chars: int) -> tokenizer.BpeTokenizer:
-    """Pass 2: a BPE learned from the training side of the corpus, at most `max_chars` of it."""
+              max_chars: int, threads: Optional[int] = None) -> tokenizer.BpeTokenizer:
+    """Pass 2: a BPE learned from the training side of the corpus, at most `max_chars` of it,
+    on `threads` threads (BpeTokenizer.train)."""
 
     def training_text() -> Iterator[str]:
         left = min(split, max_chars)
@@ -96,7 +97,7 @@ def train_bpe(stream_of_documents: Callable[[], Iterable[Iterable[str]]], split:
                 left -= len(piece)
 
     started = time.perf_counter()
-    tok = tokenizer.BpeTokenizer.train(training_text(), vocab_size)
+    tok = tokenizer.BpeTokenizer.train(training_text(), vocab_size, threads)
     log.info("trained a byte-level BPE of %s tokens on %.1f M characters of the training split in %.1f s",
              f"{tok.size:,}", min(split, max_chars) / 1e6, time.perf_counter() - started)
     if tok.size < vocab_size:
@@ -121,10 +122,13 @@ class _Progress:
 
 
 def write_tokens(tok: tokenizer.Tokenizer, stream_of_documents: Callable[[], Iterable[Iterable[str]]],
-                 split: int, total_chars: int, out, what: str = "data") -> tuple[int, int]:
+                 split: int, total_chars: int, out, what: str = "data",
+                 threads: Optional[int] = None) -> tuple[int, int]:
     """Pass 3: the ids of every document, separators between them, into the open file
-    `out`; returns (tokens written, tokens before the split). Text files' pieces are cut
-    where the pre-tokenization splits anyway, so the ids are those of whole documents."""
+    `out`, on `threads` threads (None: this process's cores, tokenizer.usable_cores) in
+    batches of BATCH_CHARS_PER_CORE per thread; returns (tokens written, tokens before the
+    split). Text files' pieces are cut where the pre-tokenization splits anyway, so the ids
+    are those of whole documents."""
     safe = not isinstance(tok, tokenizer.CharTokenizer)
 
     def items() -> Iterator[tuple[bool, Optional[str]]]:
@@ -133,7 +137,8 @@ def write_tokens(tok: tokenizer.Tokenizer, stream_of_documents: Callable[[], Ite
             docs = (documents.bpe_safe_pieces(doc, MAX_PIECE_CHARS) for doc in docs)
         yield from documents.split_at(documents.joined(docs), split)
 
-    batch_chars = BATCH_CHARS_PER_CORE * max(1, os.cpu_count() or 1)
+    threads = max(1, threads or tokenizer.usable_cores())
+    batch_chars = BATCH_CHARS_PER_CORE * threads
     separator = None  # only when there is a second document: `char` may know no newline otherwise
     written, train_tokens, done = 0, None, 0
     batch: list[Optional[str]] = []
@@ -143,7 +148,7 @@ def write_tokens(tok: tokenizer.Tokenizer, stream_of_documents: Callable[[], Ite
     def flush() -> None:
         nonlocal written, batch, size, separator
         texts = [p for p in batch if p is not documents.SEPARATOR]
-        encoded = iter(tok.encode_batch(texts)) if texts else iter(())
+        encoded = iter(tok.encode_batch(texts, threads)) if texts else iter(())
         for piece in batch:
             if piece is documents.SEPARATOR and separator is None:
                 separator = tok.separator_ids

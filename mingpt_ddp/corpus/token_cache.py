@@ -572,18 +572,19 @@ def _touch(path: str) -> None:
 
 def prepare(path: str, download_url: Optional[str], storage_options: Optional[Mapping[str, Any]],
             cache_dir: Optional[str], retry_minutes: float, vocab: Optional[str] = None,
-            tokenization: Tokenization = CHARS) -> TokenFile:
+            tokenization: Tokenization = CHARS, threads: Optional[int] = None) -> TokenFile:
     """This node's token file for `path`, encoded with `vocab` (default: the text's own
     characters) or as `tokenization` says; made unless an identical one exists. Run by one
     process per node; on a cache_dir all nodes share, one node makes it and the others
-    wait for it (shared_cache_lock)."""
+    wait for it (shared_cache_lock). A BPE is trained and the text encoded on `threads`
+    threads (distributed.encode_threads; None: this process's cores)."""
     directory = tokens_dir(cache_dir)
     _check_writable(directory)
     with shared_cache_lock(directory, storage.redact(path)):
         sources = resolve_sources(path, download_url, storage_options, cache_dir, retry_minutes)
         if tokenization.kind == "char" and all(documents.file_format(s.name) == documents.TEXT for s in sources):
             return _prepare_characters(path, sources, directory, vocab)
-        return _prepare_documents(storage.redact(path), sources, directory, tokenization, vocab)
+        return _prepare_documents(storage.redact(path), sources, directory, tokenization, vocab, threads)
 
 
 def _prepare_characters(path: str, sources: list[Source], directory: str, vocab: Optional[str]) -> TokenFile:
@@ -700,7 +701,7 @@ def document_stream(sources: list[Source], text_column: str):
 
 
 def _prepare_documents(path: str, sources: list[Source], directory: str, how: Tokenization,
-                       vocab: Optional[str]) -> TokenFile:
+                       vocab: Optional[str], threads: Optional[int] = None) -> TokenFile:
     """Any tokenizer, any file format (encoding.py's passes). Cached: the scan of the corpus
     (<key>.json), a trained BPE (<key>-bpe-<settings>.tokenizer.json, reused by every run
     with the same settings), and the token file, named by the corpus, the tokenizer's
@@ -726,7 +727,7 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
     split = encoding.train_chars(meta["length"], how.val_fraction)
     corpus_bytes = meta["text_bytes"]  # the text's UTF-8 bytes: bytes per token and MB/s of text, whatever the format
 
-    tok = _tokenizer_for(path, how, vocab, meta, stream, split, directory, key)
+    tok = _tokenizer_for(path, how, vocab, meta, stream, split, directory, key, threads)
     state = tok.to_dict()
     fingerprint = tokenizer.fingerprint(state)
     char = tok.kind == "char"
@@ -746,11 +747,11 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
     if counts is not None:
         log.info("data %s: using this node's token cache %s (%s tokens)", path, token_path, f"{counts['length']:,}")
     else:
-        log.info("data %s: encoding %.1f M characters with the %s tokenizer", path, meta["length"] / 1e6,
-                 tok.describe())
+        log.info("data %s: encoding %.1f M characters with the %s tokenizer on %d threads", path, meta["length"] / 1e6,
+                 tok.describe(), 1 if char else threads or tokenizer.usable_cores())
         result = []
         storage.write_local_atomically(token_path, lambda out: result.append(
-            encoding.write_tokens(tok, stream, split, meta["length"], out, f"data {path}")))
+            encoding.write_tokens(tok, stream, split, meta["length"], out, f"data {path}", threads)))
         try:
             _unchanged(sources)
         except ConfigError:
@@ -775,7 +776,7 @@ def _prepare_documents(path: str, sources: list[Source], directory: str, how: To
 
 
 def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dict, stream, split: int,
-                   directory: str, key: str) -> tokenizer.Tokenizer:
+                   directory: str, key: str, threads: Optional[int] = None) -> tokenizer.Tokenizer:
     """The snapshot's tokenizer when resuming; else characters of the text, GPT-2's, or a
     BPE trained on the training split (cached: trained once per corpus and settings)."""
     if how.kind == "char":
@@ -795,7 +796,7 @@ def _tokenizer_for(path: str, how: Tokenization, vocab: Optional[str], meta: dic
         _touch(trained)
         return tokenizer.from_dict(_read_json(trained))
     log.info("data %s: training a byte-level BPE of %s tokens on the training split", path, f"{how.vocab_size:,}")
-    tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars)
+    tok = encoding.train_bpe(stream, split, how.vocab_size, how.train_chars, threads)
     storage.write_local_atomically(trained, lambda out: out.write(json.dumps(tok.to_dict()).encode()))
     return tok
 
@@ -970,18 +971,20 @@ def tokenization(cfg: config.DataConfig, state: Optional[dict[str, Any]] = None)
 
 
 def load_corpus(cfg: config.DataConfig, dist: distributed.DistEnv, retry_minutes: float, vocab: Optional[Vocabulary] = None,
-                tokenizer_state: Optional[dict[str, Any]] = None
+                tokenizer_state: Optional[dict[str, Any]] = None, threads: Optional[int] = None
                 ) -> tuple[CharCorpus, TokenFile, tokenizer.Tokenizer]:
     """Encode the corpus once per node into a token file in data.cache_dir (streaming;
     remote files fetched and a missing local file downloaded first; reused while the
     sources are unchanged), then memory-map it on every rank. `vocab` (a snapshot's
     characters) or `tokenizer_state` (a snapshot's BPE or GPT-2 tokenizer) gives the ids
-    instead of data.tokenizer's own. Returns the corpus, its token file and its tokenizer."""
+    instead of data.tokenizer's own. `threads`: the encoding's (distributed.encode_threads:
+    the node's other ranks wait meanwhile). Returns the corpus, its token file and its tokenizer."""
     options = storage.resolve_options(cfg.storage_options, "data.storage_options")
     made: list[TokenFile] = []
     distributed.on_main_then_share(
         lambda: made.append(prepare(cfg.path, cfg.download_url, options, cfg.cache_dir, retry_minutes,
-                                    vocab.chars if vocab is not None else None, tokenization(cfg, tokenizer_state))),
+                                    vocab.chars if vocab is not None else None, tokenization(cfg, tokenizer_state),
+                                    threads)),
         dist, once_per_node=True,
     )
     token_file = this_nodes_token_file(made[0] if made else None, dist)

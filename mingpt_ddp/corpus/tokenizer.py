@@ -20,6 +20,7 @@ what no whole character is left of shows as U+FFFD, never as an error.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -37,6 +38,12 @@ log = logging.getLogger(__name__)
 KINDS = ("char", "bpe", "gpt2")
 EOT = "<|endoftext|>"
 MIN_BPE_VOCAB = 257  # the 256 bytes and <|endoftext|>
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the machine's: the encoding's
+    threads where its caller gives no count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 GPT2_VOCAB = 50257
 GPT2_FILE_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
 GPT2_FILE_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
@@ -75,8 +82,9 @@ class Tokenizer:
         """The ids of `text` (ordinary text: a literal "<|endoftext|>" in it is not the special token)."""
         return self.encode_batch([text])[0]
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The ids of each text; the BPEs encode the texts on all cores."""
+    def encode_batch(self, texts: Sequence[str], threads: Optional[int] = None) -> list[np.ndarray]:
+        """The ids of each text; the BPEs encode the texts on `threads` threads (None: one per
+        core this process may use, usable_cores)."""
         raise NotImplementedError
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -134,7 +142,7 @@ class CharTokenizer(Tokenizer):
     def size(self) -> int:
         return self.vocab.size
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str], threads: Optional[int] = None) -> list[np.ndarray]:
         """One table lookup per text (as token_cache encodes files); a character outside the
         vocabulary is a ConfigError naming it."""
         out = []
@@ -202,9 +210,9 @@ class _TiktokenTokenizer(Tokenizer):
     def size(self) -> int:
         return len(self._bytes)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+    def encode_batch(self, texts: Sequence[str], threads: Optional[int] = None) -> list[np.ndarray]:
         dtype = self.dtype
-        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=os.cpu_count() or 1)
+        batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=threads or usable_cores())
         return [np.array(ids, dtype=dtype) for ids in batch]
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -242,9 +250,12 @@ class BpeTokenizer(_TiktokenTokenizer):
         super().__init__(encoding, token_bytes, special[EOT])
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int) -> "BpeTokenizer":
+    def train(cls, texts: Iterable[str], vocab_size: int, threads: Optional[int] = None) -> "BpeTokenizer":
         """A byte-level BPE of at most `vocab_size` tokens (fewer when the text has fewer
-        pairs to merge) learned from `texts`, with Hugging Face's trainer (all cores)."""
+        pairs to merge) learned from `texts`, with Hugging Face's trainer: on its thread pool
+        (Rust's rayon, one per process, sized once from RAYON_NUM_THREADS when first used),
+        of `threads` where given, the process's first use of the pool and RAYON_NUM_THREADS
+        unset; else one per core of the machine."""
         if vocab_size < MIN_BPE_VOCAB:
             raise ConfigError(f"data.vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
                               f"{MIN_BPE_VOCAB} (256 bytes and {EOT}); e.g. data.vocab_size=4096")
@@ -259,7 +270,8 @@ class BpeTokenizer(_TiktokenTokenizer):
         hf.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        hf.train_from_iterator(texts, trainer=trainer)
+        with _rayon_threads(threads):
+            hf.train_from_iterator(texts, trainer=trainer)
         return cls(hf.to_str())
 
     def to_dict(self) -> dict[str, Any]:
@@ -270,6 +282,20 @@ class BpeTokenizer(_TiktokenTokenizer):
         with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
             f.write(self.json)
         return "tokenizer.json"
+
+
+@contextlib.contextmanager
+def _rayon_threads(threads: Optional[int]) -> Iterator[None]:
+    """RAYON_NUM_THREADS=threads while Hugging Face's trainer builds its pool (the user's own
+    value wins); restored after, so no child process inherits it."""
+    if threads is None or "RAYON_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        os.environ.pop("RAYON_NUM_THREADS", None)
 
 
 # ---- GPT-2 (tiktoken) ---------------------------------------------------------------------

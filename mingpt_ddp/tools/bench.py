@@ -128,6 +128,13 @@ def compose(overrides: list[str]):
     return cfg
 
 
+def encode_threads(cfg, dist) -> int:
+    """The corpus encoding's threads, as main.py gives them (trainer.cpu_threads, the node's processes)."""
+    from mingpt_ddp import config
+
+    return distributed.encode_threads(config.cpu_threads_setting(cfg.trainer), dist.local_world_size)
+
+
 def build_trainer(cfg, dist, saver=None):
     """Corpus, model and Trainer as main.train composes them (no snapshot to resume)."""
     from omegaconf import OmegaConf
@@ -138,7 +145,7 @@ def build_trainer(cfg, dist, saver=None):
     from mingpt_ddp.model import GPTConfig
     from mingpt_ddp.trainer import Trainer, seed_everything
 
-    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, threads=encode_threads(cfg, dist))
     model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
                           **OmegaConf.to_container(cfg.model))
     seed_everything(cfg.trainer.seed)
@@ -705,14 +712,15 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
     bench_run_settings(cfg, steps)
     wait_until_quiet(float(options["wait_quiet"]), dist)
     start, cpu_start = time.perf_counter(), _own_cpu_seconds()
-    _, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)  # encodes unless cached
+    _, token_file, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes,
+                                     threads=encode_threads(cfg, dist))  # encodes unless cached
     first_load_s = time.perf_counter() - start
     first_load_cpu_s = _own_cpu_seconds() - cpu_start  # all of this process's threads: robust to other jobs
     # A first Trainer takes the one-off costs of a process (peak FLOP/s, first kernels), the
     # same for any corpus; what follows is what differs between corpora when the token file exists.
     build_trainer(cfg, dist)
     start = time.perf_counter()
-    load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes)
+    load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, threads=encode_threads(cfg, dist))
     cached_load_s = time.perf_counter() - start
     trainer = build_trainer(cfg, dist)
     device = trainer.device
@@ -759,8 +767,8 @@ def run_data(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, A
         "tokenizer": tok.describe(), "bytes_per_token": token_file.corpus_bytes / token_file.length,
         "encoded": token_file.encode_s is not None, "first_load_s": first_load_s,
         "encode_MBps": token_file.corpus_bytes / 1e6 / token_file.encode_s if token_file.encode_s else None,
-        # the cores the encoding could use (char encodes on one; bpe and gpt2 on all of them)
-        "encode_cores": 1 if tok.kind == "char" else len(os.sched_getaffinity(0)),
+        # the threads the encoding used (char encodes on one; bpe and gpt2 as a run would, encode_threads)
+        "encode_cores": 1 if tok.kind == "char" else encode_threads(cfg, dist),
         # MB per second of CPU time (what one core does, whatever else shares the machine)
         "encode_MB_per_cpu_s": token_file.corpus_bytes / 1e6 / first_load_cpu_s if token_file.encode_s else None,
         "cached_load_s": cached_load_s,

@@ -3,9 +3,10 @@
     python -m mingpt_ddp.prepare data.path='/fsx/corpora/fineweb/*.parquet' data.tokenizer=bpe \
         data.vocab_size=32768 data.cache_dir=/fsx/cache/tokens
 
-Arguments are the training run's overrides (`data.*`, `experiment=...`; the rest of the
-config is ignored): the job then finds the token file (and the trained BPE) made and
-starts without reading the text. With data.cache_dir on storage every node shares, this
+Arguments are the training run's overrides (`data.*`, `experiment=...`, and
+`trainer.cpu_threads=N` to encode on N threads instead of every core this process may use;
+the rest of the config is ignored): the job then finds the token file (and the trained BPE)
+made and starts without reading the text. With data.cache_dir on storage every node shares, this
 one process encodes for the whole cluster; on node-local caches run it on every node
 (`srun --ntasks-per-node=1 python -m mingpt_ddp.prepare ...`). Prints what it made.
 """
@@ -16,7 +17,7 @@ import os
 import sys
 from typing import Optional
 
-from mingpt_ddp import config
+from mingpt_ddp import config, distributed
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.errors import ConfigError, UserFacingError
@@ -29,8 +30,11 @@ def prepare(overrides: list[str]) -> token_cache.TokenFile:
     storage.resolve_secrets(cfg, [])  # as main() does: refused or redacted wherever shown
     options = storage.resolve_options(cfg.data.storage_options, "data.storage_options")
     storage.remember_secrets(storage.secret_option_values(options))
+    # One process: trainer.cpu_threads threads where set, else this process's cores (as one run process would).
+    threads = distributed.encode_threads(config.cpu_threads_setting(cfg.trainer), 1)
     return token_cache.prepare(cfg.data.path, cfg.data.download_url, options, cfg.data.cache_dir,
-                               cfg.trainer.load_retry_minutes, tokenization=token_cache.tokenization(cfg.data))
+                               cfg.trainer.load_retry_minutes, tokenization=token_cache.tokenization(cfg.data),
+                               threads=threads)
 
 
 def cli(argv: Optional[list[str]] = None) -> None:

@@ -3,7 +3,7 @@
     python -m mingpt_ddp.sample <snapshot file, run directory or URL> prompt="ROMEO:" max_new_tokens=300
 
 Options are ``key=value`` pairs checked against :class:`SampleConfig` (prompt,
-max_new_tokens, temperature, top_k, seed, device).
+max_new_tokens, temperature, top_k, seed, device, cpu_threads).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
 from mingpt_ddp.checkpoint.snapshot import SnapshotStore
 
-USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu]'
+USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu] [cpu_threads=null]'
 
 
 @dataclass
@@ -34,6 +34,9 @@ class SampleConfig:
     top_k: Optional[int] = None
     seed: int = 0
     device: str = "cpu"
+    # Threads (torch's intra-op and inter-op pools), as trainer.cpu_threads for a run; null: this
+    # process's share of the cores (its affinity; a Slurm task's own CPUs) on CPU, torch's own on GPUs.
+    cpu_threads: Optional[int] = None
 
 
 # An unreachable store is retried this long before a clear error.
@@ -87,6 +90,14 @@ def check_options(opts: SampleConfig) -> None:
     if opts.top_k is not None and opts.top_k < 1:
         raise ConfigError(f"top_k={opts.top_k} must be at least 1 (sample among the k likeliest tokens), "
                           "or top_k=null for no limit")
+    distributed.cpu_threads(opts.cpu_threads, 1, key="cpu_threads")
+
+
+def size_threads(opts: SampleConfig) -> None:
+    """cpu_threads, or this process's share of the cores on CPU, as a run sizes its pools."""
+    if opts.cpu_threads is not None or torch.device(opts.device).type == "cpu":
+        distributed.size_thread_pools(distributed.cpu_threads(opts.cpu_threads, 1, key="cpu_threads"),
+                                      opts.cpu_threads is not None, 0, key="cpu_threads")
 
 
 def generate_text(target: str, opts: SampleConfig) -> str:
@@ -100,6 +111,7 @@ def generate_text(target: str, opts: SampleConfig) -> str:
         print(f"warning: snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank "
               "0's) may be wrong", file=sys.stderr, flush=True)
     tok = tokenizer.from_snapshot(snapshot)  # the run's own: its characters, BPE or GPT-2's
+    size_threads(opts)
     if torch.device(opts.device).type == "cpu":
         distributed.keep_freed_host_memory()  # each token's logits: 0.2 GB at GPT-2's vocabulary and block
     model = GPT(GPTConfig(**snapshot["model_config"]))
@@ -121,6 +133,9 @@ def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
         # Values stay raw strings (a prompt like "ROMEO:" is not YAML); the schema converts types.
         pairs = dict(a.split("=", 1) for a in argv if "=" in a)
         values = {k: None if v.lower() in ("null", "none") else v for k, v in pairs.items()}
+        threads = values.get("cpu_threads")
+        if threads is not None and not threads.strip().lstrip("-").isdigit():
+            distributed.cpu_threads(threads, 1, key="cpu_threads")  # not a number: its own one-line refusal
         merged = OmegaConf.merge(schema, values)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}\n{USAGE}") from None
