@@ -547,12 +547,12 @@ class RunCheck:
     cannot honestly be faster). From the second log window on, at the first one whose steps
     had the cores (rank 0's threads waited under MAX_WAIT of their runnable time; up to
     RUN_CHECK_WINDOWS windows), rank 0 measures again at the step boundary (cpu_decision,
-    cache bypassed: bounded as at start, on the model itself, or on a new copy where its
-    forward pass needs every rank) while the others wait for its answer in the store. A
-    trusted answer is cached; if it differs, every rank switches autocast from the next step
-    (fp32 and bf16 need no loss scaler; Trainer.switch_precision), unless the strategy fixed
-    the compute dtype (FSDP) or the run is deterministic: then only the cache is corrected,
-    for the next runs. One line says what was found."""
+    cache bypassed: bounded as at start, on the model itself, the global generators left as
+    they were) while the others wait for its answer in the store. A trusted answer is cached;
+    if it differs, every rank switches autocast from the next step (fp32 and bf16 need no
+    loss scaler; Trainer.switch_precision), unless the run is deterministic: then only the
+    cache is corrected, for the next runs. One line says what was found. Where the strategy
+    fixed the compute dtype (FSDP) there is no check (for_trainer)."""
 
     def __init__(self, decision: Decision, clock: Callable[[], float] = time.perf_counter,
                  measure_again: Optional[Callable[[torch.nn.Module, int, int, str], Decision]] = None):
@@ -573,6 +573,11 @@ class RunCheck:
         decision = getattr(trainer, "precision_decision", None)
         if decision is None or (decision.doubt is None and not _predicts_steps(decision.entry, trainer)):
             return None  # nothing to check it by
+        if trainer.strategy.fixed_precision:
+            # FSDP cannot switch, and timing its sharded model needs a whole unsharded copy built
+            # mid-run (GPT.__init__ draws from rank 0's generator): it keeps auto's choice. An untrusted
+            # one is not cached, a doubtful entry is kept: the next run without FSDP checks them.
+            return None
         return cls(decision)
 
     def __call__(self, trainer) -> None:
@@ -614,18 +619,15 @@ class RunCheck:
         if reason is None:
             return None, None
         current, step = trainer.precision.name, trainer.state.step
-        model = trainer.model
-        if trainer.strategy.collective_forward:  # sharded (FSDP): rank 0 times an unsharded copy
-            from mingpt_ddp.model import GPT  # the model's own class, not FSDP's subclass of it
-            model = GPT(model.cfg)
-        new = self._measure_again(model, trainer.cfg.batch_size, trainer.block_size, self.decision.path)
+        with torch.random.fork_rng(devices=[]):  # the run's own random stream is not the check's to move
+            new = self._measure_again(trainer.model, trainer.cfg.batch_size, trainer.block_size, self.decision.path)
         head = f"precision auto: checked at step {step} ({reason}) by measuring again"
         if new.source != "measured":
             return None, f"{head}: not trusted either ({new.entry.get('untrusted')}); {current} kept, nothing cached"
         if new.choice == current:
             return None, f"{head}: {current} confirmed ({new.entry['why']}); cached"
-        blocker = trainer.strategy.fixed_precision or ("trainer.deterministic=true: a run does not change its numerics "
-                                                       "by timing" if trainer.cfg.deterministic else None)
+        blocker = ("trainer.deterministic=true: a run does not change its numerics by timing"
+                   if trainer.cfg.deterministic else None)
         if blocker:
             return None, (f"{head}: {new.choice} is faster here ({new.entry['why']}); cached for the next runs, this "
                           f"run stays in {current} ({blocker})")

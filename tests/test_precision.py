@@ -482,7 +482,7 @@ def test_a_wrong_cached_choice_is_corrected_by_the_runs_own_steps_once(tmp_path,
 
 def test_a_choice_the_run_cannot_switch_is_corrected_for_the_next_runs(tmp_path, shakespeare, monkeypatch):
     """An entry of an older version (no load checks) is measured again once. Where the run
-    cannot switch (FSDP fixed its compute dtype, or a deterministic run), only the cache is."""
+    cannot switch (a deterministic run), only the cache is."""
     from test_trainer import make_trainer
 
     trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5, deterministic=True)
@@ -500,3 +500,28 @@ def test_a_choice_the_run_cannot_switch_is_corrected_for_the_next_runs(tmp_path,
         trainer, cache, choice="fp32", why="quiet", fp32_ms=[3.0, 3.0], bf16_ms=[8.0, 8.0], bf16_matmul_slowdown=1.0,
         probe=[2, 16], trusted=True)
     assert precision.RunCheck.for_trainer(trainer) is None
+
+
+def test_fsdp_runs_are_not_checked_and_a_check_leaves_the_global_generators_as_they_were(tmp_path, shakespeare):
+    """Review of issue 32: under FSDP the check built a whole unsharded GPT on rank 0 mid-run, whose
+    __init__ drew from the global generator: rank 0's dropout stream moved at a timing-dependent
+    step (a deterministic run not reproducible, a resume not bit-identical). FSDP has no check
+    (it cannot switch anyway); elsewhere the re-measurement cannot move the global generators."""
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5)
+    trainer.precision_decision = precision.Decision("fp32", "untrusted", {"untrusted": "load at start"},
+                                                    str(tmp_path / "p.json"))
+    assert precision.RunCheck.for_trainer(trainer) is not None
+    trainer.strategy.fixed_precision = "FSDP fixed it"
+    assert precision.RunCheck.for_trainer(trainer) is None
+    trainer.strategy.fixed_precision = None
+
+    def measure_again(model, batch, block, path):  # a measurement drawing from the global generators
+        torch.rand(3)
+        return precision.Decision("fp32", "measured", {"why": "stub"}, path)
+    steps = RunSteps(trainer, precision.RunCheck(trainer.precision_decision, lambda: CLOCK[0], measure_again))
+    before = torch.get_rng_state().clone()
+    steps.run(10, step_ms=10)
+    assert steps.check.done and "fp32 confirmed" in steps.notes[0]
+    assert torch.equal(before, torch.get_rng_state())
