@@ -439,7 +439,8 @@ def _distrust(times: dict[str, list[float]], waits: dict[str, list[Optional[floa
     so only the precision that lost can have lost to it: its best timed pass waited over
     MAX_WAIT of its runnable time for a core (others took the cores), or a timed pass took
     over MAX_SPREAD times its fastest pass, warm-up included (load came and went: its best
-    may be held down too; where waits cannot be read, this is the evidence)."""
+    may be held down too; where waits cannot be read, this is the evidence, so a loser with its
+    warm-up pass alone and no wait reading is not trusted)."""
     loser = "fp32" if choice == "bf16" else "bf16"
     seconds = times[loser]
     if not seconds:
@@ -447,6 +448,9 @@ def _distrust(times: dict[str, list[float]], waits: dict[str, list[Optional[floa
     first = 1 if len(seconds) > 1 else 0
     best = min(range(first, len(seconds)), key=seconds.__getitem__)
     waited = waits[loser][best] if best < len(waits[loser]) else None
+    if len(seconds) == 1 and waited is None:  # no second pass to compare, no wait read: no evidence either way
+        return (f"{loser} lost on its warm-up pass alone ({1e3 * seconds[0]:.0f} ms), whose wait for a core "
+                "could not be read")
     if waited is not None and waited > MAX_WAIT:
         return (f"{loser}'s best pass ({1e3 * seconds[best]:.0f} ms) waited {waited:.0%} of its time for a core: "
                 "other load on the cores")

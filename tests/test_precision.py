@@ -129,6 +129,18 @@ def test_a_load_spike_during_the_bf16_passes_is_not_cached(tmp_path, monkeypatch
     assert choice == "bf16" and calls[0][1] < 32 and not (tmp_path / "d.json").exists()
 
 
+def test_a_loser_on_its_warm_up_alone_is_not_trusted_where_waits_cannot_be_read(tmp_path, monkeypatch):
+    """Review of issue 32: no schedstat (macOS, some containers) and matmuls that read bf16 no
+    faster (narrow layers): one bf16 warm-up slowed by a spike ended the probe and was cached as
+    trusted, the issue's own failure. One pass, unread waits, no spread: no evidence of a quiet machine."""
+    monkeypatch.setattr(precision, "_cpu_wait", lambda: None)
+    calls, cache = [], tmp_path / "a.json"
+    warm_up_spike = lambda name, call: (6.25, 0.0) if (name, call) == ("bf16", 0) else (1.0, 0.0)  # noqa: E731
+    assert choose(tiny_model(), 32, 16, cache, {"fp32": 1e-3, "bf16": 8e-4}, calls, slowdown=1.2,
+                  load=warm_up_spike) == "fp32"
+    assert len(calls) == 2 and not cache.exists()
+
+
 def test_a_quiet_measurement_is_cached_with_the_evidence_it_was_trusted_on(tmp_path):
     """Load only ever slows a pass: a winner whose passes waited for the cores won anyway, so
     that answer is cached; a quiet losing bf16 still ends the probe at once, cached."""
