@@ -275,9 +275,9 @@ def cached_peak(device: torch.device, dtype: torch.dtype, shapes: list[Shape]) -
             and isinstance(entry.get("slowdown", 1.0), (int, float)) and isinstance(entry.get("dtype", "fp32"), str)):
         return Peak(float(entry["flops"]), entry.get("dtype", "fp32"), float(entry.get("slowdown", 1.0)))
     peak = measured_peak(device, dtype, shapes)
-    cache[key] = {"flops": peak.flops, "dtype": peak.dtype, "slowdown": peak.slowdown,
-                  "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    precision._write_json(path, cache)
+    measured = {"flops": peak.flops, "dtype": peak.dtype, "slowdown": peak.slowdown,
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    precision.update_cache(path, key, lambda _: measured)
     return peak
 
 
@@ -288,13 +288,11 @@ def raise_cached_peak(device: torch.device, dtype: torch.dtype, shapes: list[Sha
         return
     from mingpt_ddp import precision
 
-    key = precision.peak_key(str(dtype), sorted(set(shapes)))
-    path = precision.peak_cache_file()
-    cache = precision._read_json(path)
-    entry = cache.get(key)
-    if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] < reached:
-        cache[key] = {**entry, "flops": reached, "raised": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        precision._write_json(path, cache)
+    def raised(entry):
+        if isinstance(entry, dict) and isinstance(entry.get("flops"), (int, float)) and entry["flops"] < reached:
+            return {**entry, "flops": reached, "raised": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        return entry
+    precision.update_cache(precision.peak_cache_file(), precision.peak_key(str(dtype), sorted(set(shapes))), raised)
 
 
 def measured_peak_flops(device: torch.device, dtype: torch.dtype, seconds: float = 0.3,

@@ -11,9 +11,14 @@ import platform
 import re
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: updates are not serialised
+    fcntl = None  # type: ignore[assignment]
 
 from mingpt_ddp import distributed
 from mingpt_ddp.config import Precision
@@ -394,15 +399,13 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
              "wait_share": {k: [None if w is None else round(w, 2) for w in v] for k, v in waits.items()},
              "probe": shape, "decided_in_s": round(_clock() - started, 2), "trusted": doubt is None, **facts}
     if doubt is None:
-        cache[key] = entry
-        _write_json(path, cache)
+        update_cache(path, key, lambda _: entry)
         say("precision auto: %s (measured on this CPU in %.1f s: %s; cached in %s)", choice,
             entry["decided_in_s"], why, path)
         return Decision(choice, "measured", entry, path)
     entry["untrusted"] = doubt
     if key in cache:  # a cached answer this measurement doubts is not kept either
-        del cache[key]
-        _write_json(path, cache)
+        update_cache(path, key, lambda _: None)
     say("precision auto: %s (measured on this CPU in %.1f s: %s; not cached: %s; the run measures again "
         "once its steps show a quiet machine)", choice, entry["decided_in_s"], why, doubt)
     return Decision(choice, "untrusted", entry, path)
@@ -666,16 +669,40 @@ def _read_json(path: str) -> dict:
         return {}  # no cache yet, or a damaged one: measure again
 
 
-def _write_json(path: str, data: dict) -> None:
-    """Atomically; a cache that cannot be written only costs a measurement next time."""
+def update_cache(path: str, key: str, change: Callable[[Any], Any]) -> None:
+    """Set or delete one entry of a JSON cache that other processes update too (runs, ranks of
+    other runs, bench): under an flock on `path`.lock, the file is read again, its `key` set to
+    change(the entry there, or None), or deleted where that is None, and written atomically, so
+    that no writer drops another's entries. A cache that cannot be written only costs a
+    measurement next time."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        with open(f"{path}.lock", "a", encoding="utf-8") as lock:
+            if fcntl is not None:
+                try:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
+                except OSError as exc:  # a filesystem without flock: unserialised, as before
+                    log.debug("no lock on %s.lock (%s)", path, exc)
+            data = _read_json(path)
+            old = data.get(key)
+            new = change(old)
+            if new is old:
+                return
+            if new is None:
+                del data[key]
+            else:
+                data[key] = new
+            _write_json(path, data)
     except OSError as exc:
         log.warning("could not cache a measurement in %s (%s)", path, exc)
+
+
+def _write_json(path: str, data: dict) -> None:
+    """Atomically (update_cache holds the lock)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def resolve(requested: Precision | str, device: torch.device,

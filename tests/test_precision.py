@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mingpt_ddp import precision
+from mingpt_ddp import metrics, precision
 from mingpt_ddp.model import GPT, GPTConfig
 
 pytestmark = pytest.mark.unit
@@ -266,6 +266,47 @@ def test_cpu_facts_are_read_from_this_machine():
     assert facts["torch"] == torch.__version__ and facts["threads"] == torch.get_num_threads()
     assert facts["capability"] == torch.backends.cpu.get_cpu_capability()
     assert all(precision.SPEED_FLAGS.search(f) for f in facts["flags"])
+
+
+def _decide_many(model, cache, first_batch, ready):
+    """A forked writer: trusted decisions for batches first_batch.. (one key each), at once."""
+    precision._cpu_wait = lambda: None  # no load evidence: only the spread, which is none here
+    measure = lambda model, name, batch, block: {"fp32": 1e-3, "bf16": 5e-4}[name]  # noqa: E731
+    ready.wait()
+    for batch in range(first_batch, first_batch + 30):
+        precision.cpu_decision(model, batch, 16, cache, measure, lambda d, rows: 0.5, lambda m, t: 1e-3,
+                               use_cache=False, announce=False)
+
+
+def _peaks_many(first, ready):
+    """A forked writer of matmul peaks, one key per shape."""
+    ready.wait()
+    for rows in range(first, first + 30):
+        metrics.cached_peak(torch.device("cpu"), torch.float32, [(rows, 8, 8)])
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
+def test_two_processes_writing_the_caches_at_once_keep_each_others_entries(tmp_path, monkeypatch):
+    """Review of issue 32: each writer read the whole cache, changed it and replaced the file, so
+    two runs deciding at once on one machine lost entries (a stale copy could also overwrite a
+    run's correction). Each update now changes its own key under a lock."""
+    import multiprocessing
+
+    monkeypatch.setattr(metrics, "measured_peak", lambda device, dtype, shapes=None, seconds=0.3: metrics.Peak(1e11, "fp32"))
+    monkeypatch.setenv("MINGPT_DDP_CACHE", str(tmp_path))
+    fork = multiprocessing.get_context("fork")
+    model, cache = tiny_model(), str(tmp_path / "precision.json")
+    for target, args in ((_decide_many, [(model, cache, 1), (model, cache, 101)]), (_peaks_many, [(1,), (101,)])):
+        ready = fork.Event()
+        workers = [fork.Process(target=target, args=(*a, ready)) for a in args]
+        for w in workers:
+            w.start()
+        ready.set()
+        for w in workers:
+            w.join(60)
+        assert [w.exitcode for w in workers] == [0, 0]
+    assert len(json.loads((tmp_path / "precision.json").read_text())) == 60
+    assert len(json.loads((tmp_path / "matmul_peak.json").read_text())) == 60
 
 
 def test_a_damaged_cache_is_measured_again(tmp_path):
