@@ -349,7 +349,8 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
     entry whose figures are not believable (made by an older version) is measured again.
 
     `measure` (one pass's seconds), `matmul_probe` and `calibrate` are the timers, replaceable
-    in tests (and _clock, _cpu_wait). `use_cache=False`: measure again whatever is cached;
+    in tests (and _clock, _cpu_wait). `use_cache=False`: measure again whatever is cached
+    (an untrusted answer then leaves the cache as it was: no evidence against a trusted entry);
     `announce=False`: the measurement's line at debug level (RunCheck logs its own).
     """
     say = log.info if announce else log.debug
@@ -404,8 +405,8 @@ def cpu_decision(model: torch.nn.Module, batch_size: int, block_size: int,
             entry["decided_in_s"], why, path)
         return Decision(choice, "measured", entry, path)
     entry["untrusted"] = doubt
-    if key in cache:  # a cached answer this measurement doubts is not kept either
-        update_cache(path, key, lambda _: None)
+    if use_cache and key in cache:  # the entry there was not believable (or damaged): not kept either.
+        update_cache(path, key, lambda _: None)  # A re-measurement (use_cache=False) leaves the cache as it was.
     say("precision auto: %s (measured on this CPU in %.1f s: %s; not cached: %s; the run measures again "
         "once its steps show a quiet machine)", choice, entry["decided_in_s"], why, doubt)
     return Decision(choice, "untrusted", entry, path)

@@ -141,6 +141,29 @@ def test_a_loser_on_its_warm_up_alone_is_not_trusted_where_waits_cannot_be_read(
     assert len(calls) == 2 and not cache.exists()
 
 
+def test_an_untrusted_re_measurement_leaves_the_cache_as_it_was(tmp_path, shakespeare):
+    """Review of issue 32: a re-measurement under load (the cache bypassed: RunCheck)
+    deleted the trusted entry, so the next run measured again, maybe under load too."""
+    from test_trainer import make_trainer
+
+    model, cache, calls = tiny_model(), tmp_path / "precision.json", []
+    assert choose(model, 32, 16, cache, {"fp32": 1e-3, "bf16": 5e-4}, calls) == "bf16"
+    kept = cache.read_text()
+    decision = precision.cpu_decision(model, 32, 16, str(cache), fake_measure({"fp32": 1e-3, "bf16": 5e-4}, [],
+                                      load=spike("fp32", 3.0, 0.8)), lambda d, rows: 0.5, lambda m, t: 1e-3,
+                                      use_cache=False)
+    assert decision.source == "untrusted" and cache.read_text() == kept
+    # The run's check of a doubtful (older) entry that finds only load does not delete it either.
+    trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5)
+    trainer.precision_decision, key = cached_decision(
+        trainer, cache, choice="fp32", why="older", fp32_ms=[3.0, 3.0], bf16_ms=[8.0, 8.0], bf16_matmul_slowdown=1.0,
+        probe=[4, 16])
+    kept = cache.read_text()
+    steps = run_check(trainer, cache, {"fp32": 2.5e-3, "bf16": 1e-3}, calls, load=spike("fp32", 3.0, 0.8))
+    steps.run(10, step_ms=10)
+    assert "not trusted either" in steps.notes[0] and cache.read_text() == kept
+
+
 def test_a_quiet_measurement_is_cached_with_the_evidence_it_was_trusted_on(tmp_path):
     """Load only ever slows a pass: a winner whose passes waited for the cores won anyway, so
     that answer is cached; a quiet losing bf16 still ends the probe at once, cached."""
@@ -485,13 +508,14 @@ class RunSteps:
             self.check(self.trainer)
 
 
-def run_check(trainer, cache, quiet, calls):
-    """A RunCheck on trainer's decision, measuring again with the fake timers (`quiet` times)."""
+def run_check(trainer, cache, quiet, calls, load=None):
+    """A RunCheck on trainer's decision, measuring again with the fake timers (`quiet` times,
+    `load` as fake_measure's)."""
     def measure_again(model, batch, block, path):
         def calibrate(model, tokens):
             CLOCK[0] += quiet["fp32"] / 4
             return quiet["fp32"]
-        return precision.cpu_decision(model, batch, block, path, fake_measure(quiet, calls), lambda d, rows: 1.0,
+        return precision.cpu_decision(model, batch, block, path, fake_measure(quiet, calls, load=load), lambda d, rows: 1.0,
                                       calibrate, use_cache=False)
     return RunSteps(trainer, precision.RunCheck(trainer.precision_decision, lambda: CLOCK[0], measure_again))
 
