@@ -191,8 +191,19 @@ _clock = time.perf_counter  # the decision's clock (a fake one in tests)
 def cpu_wait() -> Optional[tuple[float, float]]:
     """(seconds run, seconds waited for a core while runnable), summed over this process's
     threads since they started (Linux: /proc/self/task/*/schedstat), or None where that
-    cannot be read. The waits are other processes' load on the cores, whatever this
-    process's own threads do: the share waited over a pass says whether it had the cores."""
+    cannot be read. The share waited over a pass says whether it had the cores: its waits
+    are other processes' load, as long as its own threads fit its cores. Where torch runs
+    more threads than the cores it may use (os.sched_getaffinity), they wait for each other
+    and the two cannot be told apart: None then, and the spread of the passes is the
+    evidence (_distrust). Counted: runnable time without a core (others' load, own
+    oversubscription; on kernels that keep throttled tasks queued, a CPU quota's (cgroup
+    cpu.max) throttling too, which is then read as load). Not counted: time blocked or asleep."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    if torch.get_num_threads() > cores:
+        return None
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

@@ -164,6 +164,18 @@ def test_an_untrusted_re_measurement_leaves_the_cache_as_it_was(tmp_path, shakes
     assert "not trusted either" in steps.notes[0] and cache.read_text() == kept
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux")
+def test_waits_are_not_evidence_where_torch_runs_more_threads_than_the_cores(monkeypatch):
+    """Review of issue 32: trainer.cpu_threads above the cores, the process's own threads wait
+    for each other (68% at 6 threads on 2 cores), read as others' load: never trusted, never cached."""
+    import os
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores)
+    assert precision.cpu_wait() is not None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: cores + 1)
+    assert precision.cpu_wait() is None
+
+
 def test_a_quiet_measurement_is_cached_with_the_evidence_it_was_trusted_on(tmp_path):
     """Load only ever slows a pass: a winner whose passes waited for the cores won anyway, so
     that answer is cached; a quiet losing bf16 still ends the probe at once, cached."""
