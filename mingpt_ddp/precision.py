@@ -563,7 +563,7 @@ class RunCheck:
     the run's steady steps are RUN_FASTER times faster than the cached passes of its
     precision say they can be (an entry timed under load the checks missed; only where the
     passes ran the real micro-batch, so that a step, which adds the optimizer to a pass,
-    cannot honestly be faster). From the second log window on, at the first one whose steps
+    cannot honestly be faster, and the model is not compiled: the passes are eager). From the second log window on, at the first one whose steps
     had the cores (rank 0's threads waited under MAX_WAIT of their runnable time; up to
     RUN_CHECK_WINDOWS windows), rank 0 measures again at the step boundary (cpu_decision,
     cache bypassed: bounded as at start, on the model itself, the global generators left as
@@ -667,8 +667,9 @@ class RunCheck:
 
 
 def _predicts_steps(entry: dict, trainer) -> bool:
-    """Whether the decision's passes of the run's precision ran the run's own micro-batch."""
-    return bool(_cached_times(entry).get(trainer.precision.name)) and \
+    """Whether the decision's passes of the run's precision ran the run's own micro-batch, as
+    the run does: eager passes say nothing of a compiled model's steps (trainer.compile)."""
+    return bool(_cached_times(entry).get(trainer.precision.name)) and not trainer.strategy.compiled and \
         entry.get("probe") == [trainer.cfg.batch_size, trainer.block_size]
 
 

@@ -614,3 +614,17 @@ def test_fsdp_runs_are_not_checked_and_a_check_leaves_the_global_generators_as_t
     steps.run(10, step_ms=10)
     assert steps.check.done and "fp32 confirmed" in steps.notes[0]
     assert torch.equal(before, torch.get_rng_state())
+
+
+def test_a_compiled_runs_steps_are_not_compared_with_eager_passes(tmp_path, shakespeare):
+    """Review of issue 32: under trainer.compile=true on a CPU the compiled steps outran the
+    decision's eager passes in every run, which measured again each time for nothing."""
+    from test_trainer import make_trainer
+
+    trainer = make_trainer(shakespeare.read_text()[:20_000], log_every=5)
+    trainer.precision_decision, _ = cached_decision(
+        trainer, tmp_path / "precision.json", choice="fp32", why="quiet", fp32_ms=[45.0, 40.0, 41.0],
+        bf16_ms=[70.0, 66.0, 67.0], bf16_matmul_slowdown=1.0, probe=[4, 16], trusted=True, wait_share={})
+    assert precision.RunCheck.for_trainer(trainer) is not None
+    trainer.strategy.compiled = True
+    assert precision.RunCheck.for_trainer(trainer) is None
