@@ -682,6 +682,7 @@ class Trainer:
         while not self.finished:
             for n, micro_batches in enumerate(self.step_batches(), 1):
                 window_loss += self._optimizer_step(micro_batches)
+                trained_in = self.precision.name  # before a callback switches it (precision.RunCheck)
                 window_steps += 1
                 self.state.step += 1
                 self.state.epoch_position += self.global_batch
@@ -695,7 +696,7 @@ class Trainer:
                 save_now = bool(self.cfg.snapshot_every_steps) and self.state.step % self.cfg.snapshot_every_steps == 0
                 log_step = self.state.step % self.cfg.log_every == 0
                 if log_step:
-                    self._log_train(window_loss, window_steps, *timer.take_window(), includes_compile)
+                    self._log_train(window_loss, window_steps, *timer.take_window(), includes_compile, trained_in)
                     window_loss.zero_()
                     window_steps, includes_compile = 0, False
                 if log_step or self.state.step >= self._next_agreement:
@@ -773,9 +774,9 @@ class Trainer:
         return getattr(self.saver, "last_saved", None)
 
     def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, wall_seconds: float,
-                   includes_compile: bool = False) -> None:
+                   includes_compile: bool = False, trained_in: Optional[str] = None) -> None:
         """One metrics line; `seconds` are the window's training seconds, `wall_seconds` its
-        wall time, evaluations and saves included (see StepTimer)."""
+        wall time, evaluations and saves included (see StepTimer); `trained_in` its steps' precision."""
         loss = distributed.all_reduce_sum(loss_sum.clone() / steps).item() / self.dist.world_size
         tokens = steps * self.global_batch * self.block_size
         tokens_per_s = tokens / max(seconds, 1e-9)
@@ -795,6 +796,7 @@ class Trainer:
             "lr": self.optimizer.param_groups[0]["lr"],
             "tokens_per_s": tokens_per_s,
             "wall_tokens_per_s": tokens / max(wall_seconds, seconds, 1e-9),
+            "precision": trained_in or self.precision.name,  # auto's choice can change mid-run (RunCheck)
             **mfu_record(self.flops_per_token, tokens_per_s, self.peak_flops, self.datasheet_peak_flops,
                          self.dist.world_size),
         }

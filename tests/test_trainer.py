@@ -1,4 +1,5 @@
 """The loop's numerics in one process: AMP clipping order, accumulation, LR schedule."""
+import json
 import math
 
 import pytest
@@ -313,3 +314,18 @@ def test_the_loop_reads_device_values_only_at_log_steps(text):
         trainer.fit()
     assert len(per_step) == 12
     assert [step for step, n in enumerate(per_step, 1) if n] == [6, 11], per_step  # the reads of steps 5 and 10's logs
+
+
+def test_each_metrics_record_names_the_precision_its_steps_trained_in(text, tmp_path, monkeypatch):
+    """Review of issue 32: nothing machine-readable recorded precision=auto's switch mid-run
+    (precision.RunCheck switches at a log step, after that window's steps)."""
+    from mingpt_ddp import metrics, precision, trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "cached_peak", lambda device, dtype, shapes: metrics.Peak(1e11, str(dtype)))
+    trainer = make_trainer(text, max_steps=4, log_every=2, eval_every=1000, final_eval_batches=1)
+    trainer.metrics = MetricsLog(str(tmp_path / "metrics.jsonl"), enabled=True, total_steps=4)
+    trainer.step_callbacks.append(lambda t: t.state.step == 2 and t.switch_precision(precision.PrecisionPlan("bf16", "cpu")))
+    trainer.fit()
+    trainer.metrics.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["precision"]) for r in records if "train_loss" in r] == [(2, "fp32"), (4, "bf16")]
