@@ -282,6 +282,8 @@ def _usable_cores() -> int:
 
 # glibc's mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+# glibc's older variables for the same settings: a user who set one chose malloc's behaviour.
+USERS_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
 _heap_kept: Optional[bool] = None  # keep_freed_host_memory's answer, once per process
 
 
@@ -296,7 +298,7 @@ def keep_freed_host_memory() -> bool:
     small for one falls back to the main arena), and with trimming off (M_TRIM_THRESHOLD)
     the heap keeps its peak: the run's peak RSS, not more, stays resident. Host memory only
     (CUDA's allocator is its own). Left alone where the user chose (GLIBC_TUNABLES with
-    glibc.malloc settings, or another malloc preloaded) and where glibc is absent (musl,
+    glibc.malloc settings, glibc's MALLOC_*_ variables for them, or another malloc preloaded) and where glibc is absent (musl,
     macOS). Whether the settings were applied; once per process."""
     global _heap_kept
     if _heap_kept is None:
@@ -312,8 +314,10 @@ def _set_malloc_options(env: Mapping[str, str] = os.environ) -> bool:
     if not glibc:
         log.debug("host memory: not glibc, malloc left as it is")
         return False
-    if "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or "malloc" in env.get("LD_PRELOAD", ""):
-        log.debug("host memory: malloc settings chosen by the environment (GLIBC_TUNABLES / LD_PRELOAD), left alone")
+    chosen = [name for name in USERS_MALLOC_ENV if name in env]
+    if "glibc.malloc." in env.get("GLIBC_TUNABLES", "") or "malloc" in env.get("LD_PRELOAD", "") or chosen:
+        log.debug("host memory: malloc settings chosen by the environment (GLIBC_TUNABLES, LD_PRELOAD, %s), left alone",
+                  ", ".join(USERS_MALLOC_ENV))
         return False
     import ctypes
 
@@ -395,7 +399,9 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     global _current, _store, _rank0_wait_minutes, _collective_timeout
     if rank0_wait_minutes is not None:
         _rank0_wait_minutes = rank0_wait_minutes
-    if _current is not None:
+    if _current is not None:  # a sweep's later point: its own trainer.cpu_threads
+        if _current.device.type != "cuda" or threads is not None:
+            size_thread_pools(cpu_threads(threads, _current.local_world_size), threads is not None, _current.rank)
         return _current
     rank, local_rank, world_size, local_world_size = read_topology()
     n_threads = cpu_threads(threads, local_world_size)  # a bad trainer.cpu_threads: before anything starts
@@ -605,9 +611,15 @@ def nccl_refused(exc: BaseException) -> Optional[str]:
 
 
 def release_cached_memory() -> None:
-    """Give cached accelerator memory back between the points of a sweep."""
+    """Give cached memory back between the points of a sweep: the accelerator's, and the
+    host heap that keep_freed_host_memory keeps (else every later point holds the largest
+    point's peak RSS)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if _heap_kept:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def teardown() -> None:

@@ -463,7 +463,16 @@ def faults_per_page(mib, n=6):
     for _ in range(n):
         torch.ones(mib << 18)  # a step's logits: mib MiB written, then freed
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / (n * mib * 256)
-print(faults_per_page(48), torch.get_num_threads(), torch.get_num_interop_threads())
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+faults, threads, interop = faults_per_page(48), torch.get_num_threads(), torch.get_num_interop_threads()
+distributed.setup(device="cpu", threads=2)  # a sweep's next point: its own trainer.cpu_threads
+next_point = torch.get_num_threads()
+torch.ones(256 << 18)  # 256 MiB freed: kept on the heap ...
+kept = rss_mib()
+distributed.release_cached_memory()  # ... until the sweep's next point
+print(faults, threads, interop, next_point, round(kept - rss_mib()))
 """
 
 
@@ -472,20 +481,52 @@ print(faults_per_page(48), torch.get_num_threads(), torch.get_num_interop_thread
 def test_a_cpu_process_reuses_the_memory_of_large_tensors():
     """glibc mapped each block over 32 MiB afresh and unmapped it at free: every page of a step's
     logits faulted (zeroed by the kernel) every step. Set up for CPU, a process keeps them: the
-    first pass faults, the others reuse. Also trainer.cpu_threads sizes both thread pools."""
-    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "RANK", "WORLD_SIZE")}
+    first pass faults, the others reuse; between a sweep's points the heap is given back. Also
+    trainer.cpu_threads sizes both thread pools, for each point of a sweep."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", "RANK", "WORLD_SIZE",
+                                                             *distributed.USERS_MALLOC_ENV)}
     proc = subprocess.run([sys.executable, "-c", FRESH_PROCESS.format(threads=1)], capture_output=True, text=True,
                           timeout=60, env=env, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    faults, threads, interop = proc.stdout.split()
+    faults, threads, interop, next_point, trimmed_mib = proc.stdout.split()
     assert float(faults) < 0.4, proc.stdout  # 1.0 (every page, every time) before
-    assert (threads, interop) == ("1", "1"), proc.stdout
+    assert (threads, interop, next_point) == ("1", "1", "2"), proc.stdout  # the sweep's next point kept 1 before
+    assert int(trimmed_mib) > 200, proc.stdout  # the 256 MiB block stayed resident for the rest of a sweep
 
 
 @pytest.mark.unit
 def test_malloc_settings_the_user_chose_are_left_alone():
-    for env in ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"}, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}):
+    for env in ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"}, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"},
+                {"MALLOC_TRIM_THRESHOLD_": "131072"}, {"MALLOC_MMAP_THRESHOLD_": "65536"}):
         assert distributed._set_malloc_options(env) is False
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"), reason="glibc's malloc")
+def test_the_benchs_before_case_is_glibcs_adaptive_default():
+    """bench alloc's "before" names a tunable so the run leaves malloc alone; it must not be one
+    of mmap_max/mmap_threshold/trim_threshold/top_pad, which freeze the mmap threshold at 128 KiB
+    (every 1 MiB block mapped afresh: 33x the page faults of glibc's real default)."""
+    from mingpt_ddp.tools import bench
+    script = """
+import ctypes, resource
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(200):
+    p = libc.malloc(1 << 20); ctypes.memset(p, 1, 1 << 20); libc.free(p)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+    faults = {}
+    for name, tunables in (("glibc", None), ("bench", bench.GLIBC_DEFAULT_MALLOC)):
+        env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", *distributed.USERS_MALLOC_ENV)}
+        if tunables:
+            env["GLIBC_TUNABLES"] = tunables
+        faults[name] = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                                          env=env, check=True).stdout)
+    assert distributed._set_malloc_options({"GLIBC_TUNABLES": bench.GLIBC_DEFAULT_MALLOC}) is False
+    assert faults["bench"] < 2 * faults["glibc"] + 100, faults  # the frozen threshold: 256 faults per block
 
 
 # ---- issue 23 item 13: smaller GPU settings ------------------------------------------------------

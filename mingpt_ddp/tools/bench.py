@@ -46,7 +46,7 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             writes to $MINGPT_DDP_TIMELINE (profiling.mark); other overrides go to the run
   alloc:    vocabs=char,4096,50257 steps=N text_mb=3: glibc malloc's cost in a CPU run of gpt-nano
             per vocabulary (char, or a BPE of that many tokens), each run twice as a child process:
-            before (GLIBC_TUNABLES=glibc.malloc.mmap_max=65536, glibc's default, which the run
+            before (GLIBC_TUNABLES=glibc.malloc.tcache_count=7, glibc's default, which the run
             leaves alone) and after (the run's own settings, distributed.keep_freed_host_memory):
             wall, user and system CPU seconds, the kernel's share, tokens/s of the steps, peak RSS;
             a warm-up run first trains the BPE and fills the token cache
@@ -375,9 +375,10 @@ def run_fixed(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, 
 # with logits above glibc's 32 MiB mmap ceiling in all but char (batch x 128 x vocab x 4 bytes).
 ALLOC_CASES = {"char": ("data.tokenizer=char", 100, 32), "4096": ("data.tokenizer=bpe data.vocab_size=4096", 60, 32),
                "50257": ("data.tokenizer=bpe data.vocab_size=50257", 15, 8)}
-# glibc's own default for M_MMAP_MAX: as a tunable it restores glibc's behaviour, and the run then
-# leaves malloc alone (distributed._set_malloc_options), as it did before issue 32.
-GLIBC_DEFAULT_MALLOC = "glibc.malloc.mmap_max=65536"
+# A malloc tunable at glibc's own default (tcache_count: 7): the run then leaves malloc alone
+# (distributed._set_malloc_options), as it did before issue 32. Not mmap_max=65536: setting any of
+# mmap_max, mmap_threshold, trim_threshold or top_pad also freezes glibc's mmap threshold at 128 KiB.
+GLIBC_DEFAULT_MALLOC = "glibc.malloc.tcache_count=7"
 
 
 def alloc_text(path: str, megabytes: float) -> None:
