@@ -33,10 +33,12 @@ INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT
 # leave workers in the terminal's process group forward a SIGINT they already got), not a
 # person pressing it again.
 SAME_CTRL_C_SECONDS = 1.0
-# What a first Ctrl-C during training does, said at once: the ranks act on it at their next
-# agreement (up to trainer.stop_check_seconds later), a person would press again meanwhile.
-FIRST_CTRL_C = ("Ctrl-C: stopping with a snapshot after the step the ranks agree on next (within "
-                "trainer.stop_check_seconds); press Ctrl-C again to stop at once, without one")
+# What a first Ctrl-C during training does, said at once (a person would press again meanwhile).
+# No figure: the ranks act on it at their next agreement, after the step in progress and any
+# evaluation or save under way (tens of seconds for a large model's CPU step), not within
+# trainer.stop_check_seconds.
+FIRST_CTRL_C = ("Ctrl-C: stopping with a snapshot after the step in progress (and any evaluation or save under "
+                "way); press Ctrl-C again to stop at once, without one")
 
 
 _received = 0  # a stop signal not acted on yet: received outside training, or after its last agreement
