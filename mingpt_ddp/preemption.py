@@ -73,11 +73,16 @@ def _say(line: str) -> None:
         os.write(2, (line + "\n").encode())
 
 
-def _exit_while_saving(signum: int, newest_saved: Optional[str]) -> None:
+WHILE_SAVING = "without waiting for the last snapshot, which was still being saved"
+DURING_FINAL_EVALUATION = "during the final evaluation, without finishing it"
+AT_THE_END = "at the end of the run"
+
+
+def _exit_while_saving(signum: int, newest_saved: Optional[str], doing: str = WHILE_SAVING) -> None:
     name = signal.Signals(signum).name
     where = (f"the newest snapshot saved is {newest_saved}; run the same command to resume from it" if newest_saved
              else "this run saved no snapshot; run the same command to resume from the newest one there, if any")
-    _say(f"stopped by a second {name} without waiting for the last snapshot, which was still being saved: {where}")
+    _say(f"stopped by a second {name} {doing}: {where}")
     # Under torchrun 0, as after Ctrl-C: a failed worker would be restarted (or reported) by its agent.
     os._exit(0 if os.environ.get("TORCHELASTIC_RUN_ID") else 128 + signum)
 
@@ -133,7 +138,7 @@ class StopRequest:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
                  clock: Callable[[], float] = time.monotonic, abort: Callable[[], None] = _abort_now,
-                 exit_while_saving: Callable[[int, Optional[str]], None] = _exit_while_saving,
+                 exit_while_saving: Callable[[int, Optional[str], str], None] = _exit_while_saving,
                  say: Callable[[str], None] = _say):
         self.signals = signals
         self.signum = 0
@@ -141,14 +146,21 @@ class StopRequest:
         self._last_signal: Optional[float] = None
         self._clock, self._abort, self._exit_while_saving, self._say = clock, abort, exit_while_saving, say
         self._newest_saved: Optional[Callable[[], Optional[str]]] = None
+        self._saving: Callable[[], bool] = lambda: True
+        # Set by the trainer around the final evaluation, which runs while (or after) the last
+        # step's snapshot is saved: what a signal then interrupts.
+        self.final_evaluation = False
         self._previous: dict[signal.Signals, object] = {}
 
-    def saving_last_snapshot(self, newest_saved: Callable[[], Optional[str]], stopping: bool) -> None:
+    def saving_last_snapshot(self, newest_saved: Callable[[], Optional[str]], stopping: bool,
+                             saving: Optional[Callable[[], bool]] = None) -> None:
         """From now on the last snapshot is being saved, which may be retried for
         trainer.save_retry_minutes: a stop signal exits at once, naming `newest_saved()`, if
         the run is `stopping` on a signal (which may have reached another rank only) or one
-        came before; at the end of a run, the second one does."""
+        came before; at the end of a run, the second one does. `saving()`: is a write still
+        in flight (the lines say so only then; unknown: assumed)."""
         self._newest_saved = newest_saved
+        self._saving = saving or (lambda: True)
         if stopping and not self.signum:
             self.signum = int(signal.SIGTERM)  # the ranks agreed to stop on another rank's signal
 
@@ -159,13 +171,13 @@ class StopRequest:
         repeated = self._last_signal is not None and now - self._last_signal < SAME_CTRL_C_SECONDS
         self._last_signal = now
         if self._newest_saved is not None and not repeated:
+            saving, newest = self._saving(), self._newest_saved()
             if self.signum:
-                self._exit_while_saving(signum, self._newest_saved())
+                self._exit_while_saving(signum, newest, WHILE_SAVING if saving else
+                                        DURING_FINAL_EVALUATION if self.final_evaluation else AT_THE_END)
                 return
             self.signum = signum
-            self._say(f"{signal.Signals(signum).name} while the last snapshot is being saved: waiting for it (retried "
-                      "for up to trainer.save_retry_minutes); a second stop signal exits at once, keeping the "
-                      f"newest snapshot saved ({self._newest_saved() or 'none yet'})")
+            self._say(self._at_the_end(signum, saving, newest))
             return
         # After a Ctrl-C, another one aborts; so does the SIGTERM with which torchrun's agent
         # follows up when its wait for the stopping workers is itself interrupted by Ctrl-C.
@@ -179,6 +191,22 @@ class StopRequest:
                 self._say(FIRST_CTRL_C)
         if not self.signum:
             self.signum = signum
+
+    def _at_the_end(self, signum: int, saving: bool, newest: Optional[str]) -> str:
+        """What a first stop signal after training's last agreement does: nothing but end the
+        run after what is under way (a sweep starts no next point); said as it is."""
+        who = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        where = "during the final evaluation" if self.final_evaluation else "at the end of the run"
+        if saving:
+            state = ("the last snapshot is being saved (retried for up to trainer.save_retry_minutes); the newest saved "
+                     f"is {newest or 'none yet'}")
+        else:
+            state = f"the newest snapshot saved is {newest}" if newest else "no snapshot saved yet"
+        then = ("the evaluation finishes, is saved, and the run ends" if self.final_evaluation
+                else "the run waits for it and ends" if saving else "the run ends")
+        again = ("press Ctrl-C again to stop at once" if signum == signal.SIGINT
+                 else "a second stop signal exits at once")
+        return f"{who} {where}: {state}; {then}; {again}, keeping the newest snapshot saved"
 
     def __enter__(self) -> "StopRequest":
         global _received

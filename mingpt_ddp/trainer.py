@@ -598,7 +598,7 @@ class Trainer:
                 profiling.mark("end-of-run check, last snapshot queued")
             if self.stopped_by:
                 if not self.finished:
-                    stop_request.saving_last_snapshot(self._newest_saved, stopping=True)
+                    stop_request.saving_last_snapshot(self._newest_saved, stopping=True, saving=self._saving)
                     self.save()
                 self._wait_for_saves()
                 self.metrics.note(
@@ -611,7 +611,9 @@ class Trainer:
                 # said first: on a busy CPU it can take as long as the training did
                 self.metrics.note(f"evaluating {self.eval_windows(final=True):,} validation windows "
                                   "(trainer.final_eval_batches) ...")
+                stop_request.final_evaluation = True  # what a signal now interrupts, said as it is
                 self.evaluate(final=True)
+                stop_request.final_evaluation = False
             profiling.mark("final evaluation")
             self.metrics.note(f"final evaluation: {self._evaluated_windows:,} of {len(self.val_windows):,} "
                               f"validation windows of {self.block_size}, {self._evaluated_bytes:,} bytes of text")
@@ -635,7 +637,8 @@ class Trainer:
         if self.failed_check is not None and self.dist.is_main:
             log.error("%s: saving the last snapshot marked as failing this check", self.failed_check["message"])
         self.state.final_eval_pending = True
-        stop_request.saving_last_snapshot(self._newest_saved, stopping=self.stopped_by is not None)
+        stop_request.saving_last_snapshot(self._newest_saved, stopping=self.stopped_by is not None,
+                                          saving=self._saving)
         if self.failed_check is None:
             # Where saving a step again would first remove its committed snapshot (sharded
             # snapshots), the last step is saved once, after the final evaluation, unless a
@@ -772,6 +775,10 @@ class Trainer:
     def _newest_saved(self) -> Optional[str]:
         """The newest snapshot this run has saved (rank 0 knows; under FSDP every rank)."""
         return getattr(self.saver, "last_saved", None)
+
+    def _saving(self) -> bool:
+        """Is a snapshot write still in flight (rank 0's; under FSDP every rank's)?"""
+        return bool(getattr(self.saver, "saving", False))
 
     def _log_train(self, loss_sum: torch.Tensor, steps: int, seconds: float, wall_seconds: float,
                    includes_compile: bool = False, trained_in: Optional[str] = None) -> None:

@@ -164,6 +164,39 @@ def test_the_first_ctrl_c_says_at_once_what_happens_next():
 
 
 @pytest.mark.unit
+def test_a_ctrl_c_during_the_final_evaluation_says_what_really_happens(monkeypatch, capfd):
+    """The last step's snapshot is saved and the final evaluation runs: the first Ctrl-C only ends
+    the run after it (not "waiting for the last snapshot"), the second stops the evaluation."""
+    from mingpt_ddp import preemption
+
+    now, said, exits, saving = [100.0], [], [], [True]
+    newest = "/r/snapshot.step000000020.pt"
+    stop = StopRequest(clock=lambda: now[0], abort=lambda: None, say=said.append,
+                       exit_while_saving=lambda *args: exits.append(args))
+    stop.saving_last_snapshot(lambda: newest, stopping=False, saving=lambda: saving[0])
+    saving[0], stop.final_evaluation = False, True  # the end-of-training save is done; evaluating
+    stop._handle(signal.SIGINT, None)
+    assert said == [f"Ctrl-C during the final evaluation: the newest snapshot saved is {newest}; the evaluation "
+                    "finishes, is saved, and the run ends; press Ctrl-C again to stop at once, keeping the newest "
+                    "snapshot saved"]
+    now[0] += 5
+    stop._handle(signal.SIGINT, None)
+    assert exits == [(signal.SIGINT, newest, preemption.DURING_FINAL_EVALUATION)]
+    monkeypatch.setattr(os, "_exit", lambda code: None)
+    monkeypatch.setenv("RANK", "0")
+    preemption._exit_while_saving(signal.SIGINT, newest, preemption.DURING_FINAL_EVALUATION)
+    assert capfd.readouterr().err == (f"stopped by a second SIGINT during the final evaluation, without finishing it: "
+                                      f"the newest snapshot saved is {newest}; run the same command to resume from it\n")
+    # While a write is still in flight the lines say so (the final save, after the evaluation).
+    said.clear()
+    stop = StopRequest(clock=lambda: now[0], abort=lambda: None, say=said.append)
+    stop.saving_last_snapshot(lambda: newest, stopping=False, saving=lambda: True)
+    stop._handle(signal.SIGTERM, None)
+    assert said[0].startswith("SIGTERM at the end of the run: the last snapshot is being saved") and \
+        "the run waits for it and ends; a second stop signal exits at once" in said[0]
+
+
+@pytest.mark.unit
 def test_a_ctrl_c_outside_training_says_where_it_stopped(monkeypatch, capfd):
     from mingpt_ddp import main
 

@@ -25,7 +25,7 @@ class Clock:
 def recording_request(clock):
     seen = {"exit": None, "said": []}
     request = StopRequest(clock=clock, abort=lambda: seen.update(abort=True),
-                          exit_while_saving=lambda signum, newest: seen.update(exit=(signum, newest)),
+                          exit_while_saving=lambda signum, newest, doing: seen.update(exit=(signum, newest)),
                           say=seen["said"].append)
     return request, seen
 

@@ -906,6 +906,12 @@ class ShardedSaver:
             self._handle = None
 
     @property
+    def saving(self) -> bool:
+        """A save is in flight on this rank."""
+        handle = self._handle
+        return handle is not None and not handle.done()
+
+    @property
     def failed(self) -> bool:
         """The last save failed on this rank (the store has retried it already)."""
         if self._handle is not None and self._handle.done():

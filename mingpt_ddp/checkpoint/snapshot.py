@@ -538,6 +538,12 @@ class BackgroundSaver:
         self._thread.start()
 
     @property
+    def saving(self) -> bool:
+        """A write is in flight (being written or waiting to be retried)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
     def failed(self) -> bool:
         """Saving has failed for `retry_minutes` without a success in between."""
         since = self._failing_since
