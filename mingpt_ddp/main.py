@@ -25,6 +25,7 @@ launch/train.sbatch requeues a RunError, never a ConfigError.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import hashlib
@@ -61,6 +62,8 @@ def _launch_rank() -> str:
 STARTING = "during start-up: stopped at once (nothing new trained yet)"
 AFTER_TRAINING = "after training: stopped at once (its last snapshot is saved)"
 BETWEEN_POINTS = "between sweep points: stopped at once (the finished points are saved; the same command resumes)"
+# Training began and failed (a save that kept failing, a lost peer): its teardown.
+STOPPING_ON_ERROR = "while the run stops on an error: stopped at once (the snapshots it saved are kept)"
 _outside_training = STARTING
 
 
@@ -78,6 +81,18 @@ def stop_at_once(signum, frame) -> None:
 def _outside(where: str) -> None:
     global _outside_training
     _outside_training = where
+
+
+@contextlib.contextmanager
+def _training():
+    """Around fit(): after it, a Ctrl-C is outside training again; its last snapshot is saved
+    only when it returned (stopped or finished), not when it raised."""
+    try:
+        yield
+    except BaseException:
+        _outside(STOPPING_ON_ERROR)
+        raise
+    _outside(AFTER_TRAINING)
 
 
 if __name__ == "__main__":
@@ -622,9 +637,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             trainer.step_callbacks.append(precision_check)
         run_dir_check.keep_hydra_files(run_dir)  # from here the run's .hydra/ files describe what trained
         profiling.mark("trainer ready (trackers, wrapping, optimizer)")
-        with profiling.profile_steps(trainer, cfg.trainer, run_dir):
+        with _training(), profiling.profile_steps(trainer, cfg.trainer, run_dir):
             val_loss = trainer.fit()
-        _outside(AFTER_TRAINING)
         outcome = "finished" if val_loss is not None else "stopped"
         if val_loss is not None and (dist.is_main or trainer.strategy.collective_forward):
             if dist.is_main:

@@ -214,6 +214,27 @@ def test_a_ctrl_c_outside_training_says_where_it_stopped(monkeypatch, capfd):
                                                    "Ctrl-C after training: stopped at once (its last snapshot is saved)"]
 
 
+@pytest.mark.unit
+def test_a_ctrl_c_after_training_failed_does_not_say_start_up(monkeypatch, capfd):
+    """fit() raised (a save that kept failing): the teardown is neither start-up nor a saved end."""
+    from mingpt_ddp import main
+    from mingpt_ddp.errors import RunError
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(main, "_outside_training", main.STARTING)
+    with pytest.raises(RunError), main._training():
+        raise RunError("saving snapshots failed")
+    main.stop_at_once(signal.SIGINT, None)
+    with main._training():
+        pass  # fit() returned: its last snapshot is saved
+    main.stop_at_once(signal.SIGINT, None)
+    assert capfd.readouterr().err.splitlines() == [
+        "Ctrl-C while the run stops on an error: stopped at once (the snapshots it saved are kept)",
+        "Ctrl-C after training: stopped at once (its last snapshot is saved)"]
+
+
 @pytest.mark.dist
 def test_sigterm_and_sigusr1_alone_only_ask_for_a_stop():
     aborted = []
