@@ -272,3 +272,19 @@ def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, 
     assert "time budget changed from 0.4 min to none" in text, text
     final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
     assert final["step"] == plan + 10 and final["planned_steps"] is None, text
+
+
+@pytest.mark.unit
+def test_a_run_that_ended_below_its_plan_warms_up_again_under_another_budget():
+    """Review of issue 32: a budgeted run that ended by max_steps (300) below its plan (898),
+    continued under another budget, was taken as stopped mid-plan: its LR, at the floor,
+    "decayed on" from there and stayed at min_lr for the whole continuation."""
+    from mingpt_ddp.time_budget import lift_changed_plan
+
+    cfg = OptimizerConfig(lr=PEAK, min_lr=FLOOR, warmup_steps=WARMUP)
+    snapshot = {"train_state": asdict(TrainState(step=300, planned_steps=898)), "total_steps": 300,
+                "config": {"trainer": {"time_budget_minutes": 5, "max_steps": 300}}}
+    note = lift_changed_plan(snapshot, 10, cfg)
+    continued = TrainState(**snapshot["train_state"])
+    assert "warms up again" in note and continued.lr_warmup_from == 300, note
+    assert lr_at(300 + WARMUP - 1, cfg, 1000, continued) == pytest.approx(PEAK)
