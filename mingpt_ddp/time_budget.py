@@ -31,7 +31,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mingpt_ddp import distributed
-from mingpt_ddp.trainer import TrainState, keep_progress, warm_up_again
+from mingpt_ddp.trainer import TrainState, continue_schedule
 
 if TYPE_CHECKING:
     from mingpt_ddp.config import OptimizerConfig
@@ -65,18 +65,9 @@ def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float],
         return None
     train = TrainState(**state)
     train.planned_steps = None
-    schedule = ""
     # its LR horizon: the plan, or max_steps/max_epochs where they ended it first
-    horizon = snapshot.get("total_steps") or plan
-    if optim_cfg is not None and optim_cfg.decay_steps is None:
-        if train.step < train.lr_warmup_from + optim_cfg.warmup_steps:  # ended in its warm-up: it goes on
-            pass
-        elif train.step >= horizon:  # at the LR floor: jumping back to the peak undid training (loss 3.90 -> 4.11)
-            warm_up_again(train)
-            schedule = f"; the LR warms up again from step {train.step} over optimizer.warmup_steps"
-        else:
-            keep_progress(train, optim_cfg, horizon)
-            schedule = "; the LR decays on from where it is"
+    moved = continue_schedule(train, optim_cfg, snapshot.get("total_steps") or plan) if optim_cfg else None
+    schedule = f"; {moved}" if moved else ""
     state.update(asdict(train))
     then = ("trainer.max_epochs/max_steps decide how far it trains" if minutes is None
             else f"{minutes:g} more minutes are planned from the pace of this launch")

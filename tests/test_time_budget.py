@@ -288,3 +288,39 @@ def test_a_run_that_ended_below_its_plan_warms_up_again_under_another_budget():
     continued = TrainState(**snapshot["train_state"])
     assert "warms up again" in note and continued.lr_warmup_from == 300, note
     assert lr_at(300 + WARMUP - 1, cfg, 1000, continued) == pytest.approx(PEAK)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("budget", [BUDGET_MIN, None])
+def test_a_resume_that_moves_the_lr_horizon_keeps_the_lr_continuous_or_warms_up_again(trainer, budget):
+    """Review of issue 32: a run resumed with a higher trainer.max_steps (budgeted or not,
+    optimizer.decay_steps=null) jumped its LR: from the floor to 65% of the range at the end of
+    its schedule, +40% of the range mid-run, with no note for a budgeted run."""
+    from omegaconf import OmegaConf
+
+    from mingpt_ddp.main import lr_horizon
+
+    cfg, saved = trainer.optim_cfg, (trainer.cfg.max_steps, trainer.cfg.time_budget_minutes)
+    conf = OmegaConf.create({"optimizer": {"decay_steps": None},
+                             "trainer": {"time_budget_minutes": budget, "continue_with_new_settings": False}})
+    try:
+        trainer.cfg.time_budget_minutes = budget
+        for step in (300, 200):  # its schedule ended there at max_steps=300 (a plan of 898 above it); and mid-run
+            trainer.state, trainer.cfg.max_steps = TrainState(), 300
+            snapshot = {**trainer.state_dict(), "total_steps": 300,
+                        "train_state": asdict(TrainState(step=step, planned_steps=898 if budget else None))}
+            before = lr_at(step - 1, cfg, 300)
+            trainer.cfg.max_steps = 600  # resumed to train further
+            trainer.load_state_dict(snapshot)
+            assert trainer.total_steps == 600
+            lrs = [lr_at(s, cfg, 600, trainer.state) for s in range(step, 601)]
+            if step == 300:  # at the floor: warms up again, then decays over the new length
+                assert lrs[0] < FLOOR + 0.15 * (PEAK - FLOOR) and lrs[WARMUP - 1] == pytest.approx(PEAK), lrs[:WARMUP]
+            else:  # continuous, then only decays to the floor at the new end
+                assert abs(lrs[0] - before) < 0.02 * (PEAK - FLOOR), (before, lrs[0])
+                assert all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(FLOOR)
+            note = lr_horizon(conf, snapshot, trainer.total_steps, None, trainer.horizon_moved, trainer.plan_pending)
+            assert note and note.startswith("LR horizon 300 \u2192 600 steps"), note
+            assert ("warms up again" if step == 300 else "decays on") in note, note
+    finally:
+        trainer.cfg.max_steps, trainer.cfg.time_budget_minutes = saved
