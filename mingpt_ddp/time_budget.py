@@ -3,11 +3,13 @@ training ends within the budget, and revise the plan as the pace changes.
 
 A step callback. Until the plan is made the run trains with the step count its epochs give
 (shown as "step N/? (planning)"); at the first log step after it has seen enough steps (5%
-of the budget, or 50 steps) and at every log step after it, rank 0 turns the recent pace
+of the budget, or 50 steps) and at every log step after it (at every step once the plan ends
+within log_every steps), rank 0 turns the recent pace
 (the last 5% of the budget, at least 10 steps, its slowest step left out: a load that came
 and went is forgotten, one slow step changes nothing) into a number of steps that fits what
 is left of the budget (wall time since this launch's first step), less a reserve for the
-evaluations still to come (their forward passes at that pace, with a 50% margin) and 2% for
+evaluations still to come (their forward passes at that pace, with a 50% margin, taken at the
+launch's usual pace where the recent one is a burst's) and 2% for
 the last snapshot, and broadcasts it. A revision moves the LR's horizon with the LR
 continuous (trainer.move_horizon: the cosine keeps its progress and spreads the rest over
 the steps now left).
@@ -90,6 +92,7 @@ class TimeBudget:
         self._start_step: int | None = None
         self._kept = False  # a plan this launch found in its snapshot (a resume): kept as it is
         self._points: deque[tuple[int, float]] = deque()  # (step, time) of the recent steps
+        self._points_seen = (0, 0.0)  # (step, time) of this launch's first point: its usual pace
         self._announced: Optional[int] = None  # the plan last logged
 
     def __call__(self, trainer: "Trainer") -> None:
@@ -99,7 +102,11 @@ class TimeBudget:
         if self._kept:
             return
         self.observe(state.step)
-        if state.step != self._start_step and state.step % trainer.cfg.log_every == 0:
+        # Within log_every steps of its end the plan is revised at every step: one that ended
+        # before the next log step was final, and a burst there ended runs at 72% of the budget.
+        # (planned_steps and step are the same on every rank: all revise, and broadcast, together.)
+        ending = state.planned_steps is not None and state.planned_steps - state.step <= trainer.cfg.log_every
+        if state.step != self._start_step and (state.step % trainer.cfg.log_every == 0 or ending):
             self._revise(trainer)
         if trainer.finished and state.planned_steps is not None:
             spent = self._clock() - self._started
@@ -132,7 +139,7 @@ class TimeBudget:
         pools and allocations, made short budgets plan 15-20% too few steps)."""
         now = self._clock()
         if self._start_step is None:
-            self._start_step = step
+            self._start_step, self._points_seen = step, (step, now)
         points = self._points
         points.append((step, now))
         window = WINDOW_SHARE * self.budget_s
@@ -142,17 +149,32 @@ class TimeBudget:
 
     def _plan_with_evaluations(self, trainer: "Trainer"):
         """The plan, with the evaluations it will run (periodic, epoch ends, the final one)
-        kept out of the training time: planned once, then again with those of the first plan."""
+        kept out of the training time. Where those of the longest plan do not fit, the plan
+        ends before the last of them, if that fits (ending at its step instead, a burst of load
+        that made an epoch-end evaluation look costly ended a run at 80% of its budget)."""
         step, per_step = trainer.state.step, FORWARD_SHARE / trainer.global_batch
         final = per_step * trainer.eval_windows(final=True)
-        first = self.plan(step, final)
-        if first is None:
+        plan = self.plan(step, final)
+        if plan is None:
             return None
+        every = trainer.cfg.eval_every
         per_epoch = max(1, trainer.steps_in_epoch(trainer.state.epoch))
         epoch_left = per_epoch - trainer.state.epoch_position // trainer.global_batch  # steps to this epoch's end
-        epoch_ends = 0 if first - step < epoch_left else 1 + (first - step - epoch_left) // per_epoch
-        evaluations = first // trainer.cfg.eval_every - step // trainer.cfg.eval_every + epoch_ends
-        return self.plan(step, final + evaluations * per_step * trainer.eval_windows())
+
+        def evaluations(end: int) -> int:
+            epoch_ends = 0 if end - step < epoch_left else 1 + (end - step - epoch_left) // per_epoch
+            return end // every - step // every + epoch_ends
+
+        def last_evaluation(end: int) -> int:  # the step of the last evaluation before the final one
+            epoch_end = -1 if end - step < epoch_left else end - (end - step - epoch_left) % per_epoch
+            return max(end // every * every, epoch_end)
+
+        while True:  # each pass leaves out one more evaluation
+            fits = self.plan(step, final + evaluations(plan) * per_step * trainer.eval_windows())
+            below = last_evaluation(plan) - 1
+            if fits >= plan or evaluations(plan) == 0 or below <= max(fits, step):
+                return min(plan, fits)
+            plan = below
 
     def pace(self) -> float:
         """Steps per second over the recent window, its slowest step left out."""
@@ -170,5 +192,11 @@ class TimeBudget:
         if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
             return None
         pace = self.pace()
-        left = (1.0 - RESERVE) * self.budget_s - elapsed - EVALUATION_MARGIN * final_eval_steps / pace
+        # The evaluations at the recent pace, with a margin at the launch's own where that is
+        # quicker: a burst of load is not reserved for twice (its pace and the margin on it ended
+        # runs at 80% of the budget), and a load that lasts still has its evaluations' time.
+        (first, started), now = self._points_seen, self._clock()
+        usual = (step - first) / max(1e-9, now - started)
+        evaluations_s = final_eval_steps * max(EVALUATION_MARGIN / max(pace, usual), 1.0 / pace)
+        left = (1.0 - RESERVE) * self.budget_s - elapsed - evaluations_s
         return max(step, step + math.floor(left * pace))

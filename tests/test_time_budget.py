@@ -324,3 +324,13 @@ def test_a_resume_that_moves_the_lr_horizon_keeps_the_lr_continuous_or_warms_up_
             assert ("warms up again" if step == 300 else "decays on") in note, note
     finally:
         trainer.cfg.max_steps, trainer.cfg.time_budget_minutes = saved
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("start", [25, 26, 27, 30])
+def test_a_burst_just_before_the_plan_s_end_does_not_end_the_run_early(trainer, start):
+    """Review of issue 32: a plan that ended before the next log step was final, so a 5x load
+    for 6 s just before the end ended runs at 72-83% of the budget. Within log_every steps of
+    its end the plan is revised at every step."""
+    seconds, _, _ = budgeted_run(trainer, lambda t: 0.5 if start <= t < start + 6 else 0.1)
+    assert 0.85 * 60 * BUDGET_MIN <= seconds <= 1.10 * 60 * BUDGET_MIN, (start, seconds, trainer.state.step)
