@@ -14,10 +14,11 @@ the last snapshot, and broadcasts it. A revision moves the LR's horizon with the
 continuous (trainer.move_horizon: the cosine keeps its progress and spreads the rest over
 the steps now left).
 
-The plan and the schedule's bends are kept in TrainState, so they are in every later
-snapshot. A resume with the same budget keeps the snapshot's plan and revises it no further:
-this launch has no clock for the time the run spent before it, and so the resume trains
-the schedule the snapshot recorded, bit for bit. A plan belongs to the budget it was made
+The plan, the schedule's bends and the budget's seconds spent are kept in TrainState, so
+they are in every later snapshot. A resume with the same budget goes on from the time spent
+(the budget's clock starts that much earlier; killed before its first plan, the time before
+the kill counts too): the snapshot's plan stands, the LR continuous, until this launch has
+measured its own pace, and is revised from there as in an unbroken run. A plan belongs to the budget it was made
 for: resumed with another trainer.time_budget_minutes (null: max_epochs/max_steps decide)
 the plan is lifted, which is how a finished budgeted run is trained further: its LR, at the
 floor, warms up again over optimizer.warmup_steps and decays over the new length
@@ -63,7 +64,10 @@ def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float],
     over the new length. Returns a note saying so, or None when the plan stands."""
     state, saved = snapshot["train_state"], snapshot.get("config", {}).get("trainer", {})
     plan = state.get("planned_steps")
-    if plan is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+    if "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+        return None
+    state["budget_spent_s"] = 0.0  # another budget: its time starts now
+    if plan is None:
         return None
     train = TrainState(**state)
     train.planned_steps = None
@@ -88,9 +92,8 @@ class TimeBudget:
     def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
         self.budget_s = 60.0 * minutes
         self._clock = clock
-        self._started = clock()
+        self._launched = self._started = clock()  # _started: the budget's origin, earlier on a resume
         self._start_step: int | None = None
-        self._kept = False  # a plan this launch found in its snapshot (a resume): kept as it is
         self._points: deque[tuple[int, float]] = deque()  # (step, time) of the recent steps
         self._points_seen = (0, 0.0)  # (step, time) of this launch's first point: its usual pace
         self._announced: Optional[int] = None  # the plan last logged
@@ -98,10 +101,10 @@ class TimeBudget:
     def __call__(self, trainer: "Trainer") -> None:
         state = trainer.state
         if self._start_step is None:  # the first step of this process (a resume starts later)
-            self._kept = state.planned_steps is not None
-        if self._kept:
-            return
+            self._started -= state.budget_spent_s  # the time its snapshot had spent (0: another budget's)
+            self._announced = state.planned_steps
         self.observe(state.step)
+        state.budget_spent_s = self._clock() - self._started  # in every snapshot from here
         # Within log_every steps of its end the plan is revised at every step: one that ended
         # before the next log step was final, and a burst there ended runs at 72% of the budget.
         # (planned_steps and step are the same on every rank: all revise, and broadcast, together.)
@@ -126,7 +129,7 @@ class TimeBudget:
             trainer.metrics.note(
                 f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s over the last "
                 f"{self._points[-1][0] - self._points[0][0]} steps -> {plan} steps planned; {trainer.total_steps} will "
-                "run (revised as the pace changes; the plan is saved with the snapshots, so a resume keeps it)")
+                "run (revised as the pace changes; a resume with the same budget goes on from the time spent)")
             self._announced = plan
         elif self._announced is not None and abs(plan - self._announced) > ANNOUNCE_CHANGE * self._announced:
             trainer.metrics.note(
@@ -189,7 +192,9 @@ class TimeBudget:
         """The run's total steps once the pace is known; None while still measuring.
         `final_eval_steps`: the evaluations' work still to come, in training steps."""
         elapsed = self._clock() - self._started
-        if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
+        # the pace is this launch's: measured afresh after a resume (the snapshot's plan stands till then)
+        if (self._clock() - self._launched < CALIBRATION_SHARE * self.budget_s
+                and step - self._start_step < CALIBRATION_STEPS):
             return None
         pace = self.pace()
         # The evaluations at the recent pace, with a margin at the launch's own where that is

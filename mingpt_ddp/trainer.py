@@ -64,6 +64,8 @@ class TrainState:
     best_val_loss: float = float("inf")
     last_val_loss: Optional[float] = None
     planned_steps: Optional[int] = None  # steps planned from trainer.time_budget_minutes (time_budget.py)
+    # Seconds of that budget spent, at this step: a resume with the same budget goes on from there.
+    budget_spent_s: float = 0.0
     # Training is over and this state saved, its final evaluation not yet done: not a finished
     # run (main.finished_earlier); the next start runs only the final evaluation and saves again.
     final_eval_pending: bool = False

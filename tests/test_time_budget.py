@@ -1,4 +1,4 @@
-"""trainer.time_budget_minutes: steps planned from the measured pace, kept across a resume."""
+"""trainer.time_budget_minutes: steps planned from the measured pace, revised, continued by a resume."""
 from __future__ import annotations
 
 import os
@@ -153,11 +153,31 @@ def test_a_revised_plan_keeps_the_lr_continuous_and_a_resume_computes_the_same(t
 
 
 @pytest.mark.unit
-def test_a_resume_with_the_same_budget_keeps_the_snapshot_s_plan(trainer):
-    """No clock for the time before the resume: the saved plan (and so the LR) stands, bit for bit."""
-    state = TrainState(step=40, planned_steps=120)
-    budgeted_run(trainer, lambda t: 0.01, state=state)  # much quicker now: not planned again
-    assert trainer.state.step == 120 and trainer.state.planned_steps == 120
+@pytest.mark.parametrize("killed_at", [30, 4])
+def test_a_resume_with_the_same_budget_goes_on_from_the_time_spent(trainer, killed_at):
+    """Review of issue 32: a resume kept the snapshot's plan forever, so a run planned under a
+    load and killed at step 30 trained 28% of the unbroken run's steps. The snapshot carries the
+    budget's seconds spent: the resume goes on from there and revises as a fresh run does
+    (killed before the first plan, at step 4, the seconds before the kill count too)."""
+    trainer.state = TrainState()
+    trainer.total_steps = trainer.planned_steps()
+    now = [0.0]
+    first = TimeBudget(BUDGET_MIN, clock=lambda: now[0])
+    while trainer.state.step < killed_at:  # 5x loaded: an early plan is small
+        now[0] += 0.5
+        trainer.state.step += 1
+        trainer.state.epoch_position += trainer.global_batch
+        first(trainer)
+    assert (trainer.state.planned_steps is not None) == (killed_at == 30)
+    snapshot = asdict(trainer.state)
+    seconds, lrs, _ = budgeted_run(trainer, lambda t: 0.1, state=TrainState(**snapshot))  # the load is gone
+    budget = 60 * BUDGET_MIN
+    assert 0.85 * budget <= now[0] + seconds <= 1.10 * budget, (now[0], seconds, trainer.state.step)
+    assert lrs[-1] < FLOOR + 0.05 * (PEAK - FLOOR)
+    assert snapshot["budget_spent_s"] == pytest.approx(killed_at * 0.5)
+    # A snapshot from before the field resumes as one with nothing spent.
+    old = {k: v for k, v in snapshot.items() if k != "budget_spent_s"}
+    assert TrainState(**old).budget_spent_s == 0.0
 
 
 @pytest.mark.unit
@@ -228,7 +248,7 @@ def test_a_budgeted_run_has_no_total_to_show_until_planned(trainer):
 
 
 @pytest.mark.dist
-def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, small_corpus):
+def test_a_budgeted_run_stops_at_its_plan_and_a_resume_goes_on_with_it(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.path={small_corpus}", "trainer.max_epochs=1000", "trainer.time_budget_minutes=0.4",
             f"hydra.run.dir={run_dir}"]
@@ -254,9 +274,12 @@ def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, 
     resumed = subprocess.run([PYTHON, MAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    assert "time budget" not in resumed.stdout + resumed.stderr  # not planned again
+    text = resumed.stdout + resumed.stderr
+    assert "steps planned;" not in text, text  # the snapshot's plan stands, revised from the time it had spent
     final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
-    assert final["step"] == plan and final["planned_steps"] == plan
+    plan = final["planned_steps"]
+    assert final["step"] == plan and final["budget_spent_s"] > stopped["budget_spent_s"] > 0, (final, stopped)
+    assert f"training ends at step {plan}" in text, text
     assert read_metrics(run_dir)[-1]["step"] == plan
 
     # Finished by its plan: the message says how to go on, and doing so works. Without a
