@@ -131,6 +131,12 @@ class TimeBudget:
                 f"{self._points[-1][0] - self._points[0][0]} steps -> {plan} steps planned; {trainer.total_steps} will "
                 "run (revised as the pace changes; a resume with the same budget goes on from the time spent)")
             self._announced = plan
+            warmup = trainer.optim_cfg.warmup_steps
+            if trainer.total_steps < state.lr_warmup_from + warmup:  # the LR rises to the end: said once
+                trainer.metrics.note(
+                    f"time budget {self.budget_s / 60:g} min: the plan of {trainer.total_steps} steps ends within "
+                    f"optimizer.warmup_steps={warmup}, so the LR never decays: lower optimizer.warmup_steps (to about "
+                    f"a tenth of the plan, {max(1, trainer.total_steps // 10)}) or give a longer budget")
         elif self._announced is not None and abs(plan - self._announced) > ANNOUNCE_CHANGE * self._announced:
             trainer.metrics.note(
                 f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s now -> plan revised from "

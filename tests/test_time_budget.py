@@ -357,3 +357,18 @@ def test_a_burst_just_before_the_plan_s_end_does_not_end_the_run_early(trainer, 
     its end the plan is revised at every step."""
     seconds, _, _ = budgeted_run(trainer, lambda t: 0.5 if start <= t < start + 6 else 0.1)
     assert 0.85 * 60 * BUDGET_MIN <= seconds <= 1.10 * 60 * BUDGET_MIN, (start, seconds, trainer.state.step)
+
+
+@pytest.mark.unit
+def test_a_plan_shorter_than_the_warm_up_says_the_lr_never_decays(trainer, monkeypatch):
+    """Review of issue 32: a plan that ends within optimizer.warmup_steps trains at a rising LR
+    to its end, silently. The first plan says so and names the fix; the schedule is unchanged."""
+    notes = []
+    monkeypatch.setattr(trainer.metrics, "note", notes.append)
+    budgeted_run(trainer, lambda t: 5.0)  # a plan of fewer than WARMUP steps
+    assert trainer.state.planned_steps < WARMUP, trainer.state.planned_steps
+    said = [n for n in notes if "never decays" in n]
+    assert len(said) == 1 and "lower optimizer.warmup_steps" in said[0], notes
+    notes.clear()
+    budgeted_run(trainer, lambda t: 0.1)
+    assert not [n for n in notes if "never decays" in n], notes
