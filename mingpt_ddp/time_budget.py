@@ -5,8 +5,9 @@ A step callback. Until the plan is made the run trains with the step count its e
 (shown as "step N/? (planning)"); at the first log step after it has seen enough steps (5%
 of the budget, or 50 steps) and at every log step after it (at every step once the plan ends
 within log_every steps), rank 0 turns the recent pace
-(the last 5% of the budget, at least 10 steps, its slowest step left out: a load that came
-and went is forgotten, one slow step changes nothing) into a number of steps that fits what
+(the last 5% of the budget, at least 10 steps, its slowest step left out on a CPU: a load
+that came and went is forgotten, one slow step changes nothing; on CUDA, where steps are
+queued and the log step waits for them, it is kept) into a number of steps that fits what
 is left of the budget (wall time since this launch's first step), less a reserve for the
 evaluations still to come (their forward passes at that pace, with a 50% margin, taken at the
 launch's usual pace where the recent one is a burst's) and 2% for
@@ -97,12 +98,16 @@ class TimeBudget:
         self._points: deque[tuple[int, float]] = deque()  # (step, time) of the recent steps
         self._points_seen = (0, 0.0)  # (step, time) of this launch's first point: its usual pace
         self._announced: Optional[int] = None  # the plan last logged
+        # CUDA steps are queued: the log step's .item() waits for the GPU time of those before it,
+        # so there the slowest step is theirs too, not a hiccup, and is kept in the pace.
+        self._drop_slowest = True
 
     def __call__(self, trainer: "Trainer") -> None:
         state = trainer.state
         if self._start_step is None:  # the first step of this process (a resume starts later)
             self._started -= state.budget_spent_s  # the time its snapshot had spent (0: another budget's)
             self._announced = state.planned_steps
+            self._drop_slowest = trainer.device.type != "cuda"
         self.observe(state.step)
         state.budget_spent_s = self._clock() - self._started  # in every snapshot from here
         # Within log_every steps of its end the plan is revised at every step: one that ended
@@ -186,10 +191,11 @@ class TimeBudget:
             plan = below
 
     def pace(self) -> float:
-        """Steps per second over the recent window, its slowest step left out."""
+        """Steps per second over the recent window, its slowest step left out on a CPU (on CUDA
+        it holds the queued steps' GPU time: kept)."""
         pairs = [(s1 - s0, t1 - t0) for (s0, t0), (s1, t1) in zip(self._points, islice(self._points, 1, None))]
         steps, seconds = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-        if len(pairs) > WINDOW_STEPS:
+        if self._drop_slowest and len(pairs) > WINDOW_STEPS:
             slowest = max(pairs, key=lambda p: p[1] / max(1, p[0]))
             steps, seconds = steps - slowest[0], seconds - slowest[1]
         return steps / max(1e-9, seconds)

@@ -372,3 +372,28 @@ def test_a_plan_shorter_than_the_warm_up_says_the_lr_never_decays(trainer, monke
     notes.clear()
     budgeted_run(trainer, lambda t: 0.1)
     assert not [n for n in notes if "never decays" in n], notes
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_on_cuda_the_pace_keeps_the_log_step_that_waits_for_the_queued_steps(device):
+    """Review of issue 32: CUDA steps are asynchronous and the log step (its metrics' .item())
+    waits for the steps queued before it; leaving out the slowest step left out their GPU time
+    and overestimated the pace (here 10 steps/s for 7.2). On CPUs a slow step is a hiccup, left out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    now = [0.0]
+    budget = TimeBudget(BUDGET_MIN, clock=lambda: now[0])
+    fake = SimpleNamespace(device=torch.device(device), state=TrainState(), finished=False,
+                           cfg=SimpleNamespace(log_every=10 ** 6))
+    for step in range(1, 41):  # 9 steps queued in 10 ms each, then the log step waits 0.91 s for them
+        now[0] += 0.91 if step % 10 == 0 else 0.01
+        fake.state.step = step
+        budget(fake)
+    steps, seconds = budget._points[-1][0] - budget._points[0][0], budget._points[-1][1] - budget._points[0][1]
+    if device == "cuda":
+        assert budget.pace() == pytest.approx(steps / seconds)  # what the GPU does
+    else:
+        assert budget.pace() > 1.3 * steps / seconds  # 10 steps/s
