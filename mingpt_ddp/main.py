@@ -561,16 +561,18 @@ def settings_changed(saved: Any, cfg: DictConfig, finished: bool = False,
 
 
 def lr_horizon(cfg: DictConfig, snapshot: dict[str, Any], total_steps: int,
-               resume: Optional[ResumeCheck]) -> Optional[str]:
+               resume: Optional[ResumeCheck], moved: Optional[str] = None, plan_pending: bool = False) -> Optional[str]:
     """A note when a resume moves the cosine's horizon (optimizer.decay_steps=null follows
     the planned steps: raised max_steps/max_epochs, another corpus or batch), else None. In
     a sweep that is another point's schedule (its values reordered): refused unless
     trainer.continue_with_new_settings=true or data.continue_on_new_corpus asked for it.
-    `snapshot["total_steps"]`: the steps it planned (absent in snapshots before it was recorded)."""
+    `snapshot["total_steps"]`: the steps it planned (absent in snapshots before it was recorded).
+    `moved`: what the load did to the LR (trainer.continue_schedule; None: its warm-up goes on).
+    `plan_pending`: a time budget plans the horizon after the first steps (the lifted plan's note says so)."""
     then = snapshot.get("total_steps")
     if cfg.optimizer.decay_steps is not None or then is None or then == total_steps:
         return None
-    if cfg.trainer.time_budget_minutes:  # the budget plans the horizon after the first steps (time_budget.py)
+    if plan_pending:
         return None
     if (HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
             and not cfg.trainer.continue_with_new_settings and not (resume is not None and resume.new_corpus)):
@@ -579,7 +581,8 @@ def lr_horizon(cfg: DictConfig, snapshot: dict[str, Any], total_steps: int,
             "optimizer.decay_steps=null its LR schedule would be another run's (a sweep's values in another order?). "
             "Give the limits it was trained with, set trainer.continue_with_new_settings=true to extend it, or start "
             "a new sweep (another hydra.sweep.dir)")
-    return (f"LR horizon {then} \u2192 {total_steps} steps (optimizer.decay_steps=null follows the planned steps; "
+    return (f"LR horizon {then} \u2192 {total_steps} steps ({moved or 'its warm-up goes on'}; "
+            "optimizer.decay_steps=null follows the planned steps; "
             f"optimizer.decay_steps={then} keeps the snapshot's schedule)")
 
 
@@ -625,7 +628,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                 metrics.note(note)
             if resume is not None and resume.new_corpus:  # losses before it are another validation split's
                 metrics.mark(trainer.state.step, "new corpus")
-            horizon = lr_horizon(cfg, found.snapshot, trainer.total_steps, resume)
+            horizon = lr_horizon(cfg, found.snapshot, trainer.total_steps, resume, trainer.horizon_moved,
+                                 trainer.plan_pending)
             if horizon:
                 metrics.note(horizon)
         metrics.total_steps = None if trainer.plan_pending else trainer.total_steps  # shown once planned

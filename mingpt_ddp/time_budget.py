@@ -3,19 +3,23 @@ training ends within the budget, and revise the plan as the pace changes.
 
 A step callback. Until the plan is made the run trains with the step count its epochs give
 (shown as "step N/? (planning)"); at the first log step after it has seen enough steps (5%
-of the budget, or 50 steps) and at every log step after it, rank 0 turns the recent pace
-(the last 5% of the budget, at least 10 steps, its slowest step left out: a load that came
-and went is forgotten, one slow step changes nothing) into a number of steps that fits what
+of the budget, or 50 steps) and at every log step after it (at every step once the plan ends
+within log_every steps), rank 0 turns the recent pace
+(the last 5% of the budget, at least 10 steps, its slowest step left out on a CPU: a load
+that came and went is forgotten, one slow step changes nothing; on CUDA, where steps are
+queued and the log step waits for them, it is kept) into a number of steps that fits what
 is left of the budget (wall time since this launch's first step), less a reserve for the
-evaluations still to come (their forward passes at that pace, with a 50% margin) and 2% for
+evaluations still to come (their forward passes at that pace, with a 50% margin, taken at the
+launch's usual pace where the recent one is a burst's) and 2% for
 the last snapshot, and broadcasts it. A revision moves the LR's horizon with the LR
 continuous (trainer.move_horizon: the cosine keeps its progress and spreads the rest over
 the steps now left).
 
-The plan and the schedule's bends are kept in TrainState, so they are in every later
-snapshot. A resume with the same budget keeps the snapshot's plan and revises it no further:
-this launch has no clock for the time the run spent before it, and so the resume trains
-the schedule the snapshot recorded, bit for bit. A plan belongs to the budget it was made
+The plan, the schedule's bends and the budget's seconds spent are kept in TrainState, so
+they are in every later snapshot. A resume with the same budget goes on from the time spent
+(the budget's clock starts that much earlier; killed before its first plan, the time before
+the kill counts too): the snapshot's plan stands, the LR continuous, until this launch has
+measured its own pace, and is revised from there as in an unbroken run. A plan belongs to the budget it was made
 for: resumed with another trainer.time_budget_minutes (null: max_epochs/max_steps decide)
 the plan is lifted, which is how a finished budgeted run is trained further: its LR, at the
 floor, warms up again over optimizer.warmup_steps and decays over the new length
@@ -31,7 +35,7 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from mingpt_ddp import distributed
-from mingpt_ddp.trainer import TrainState, keep_progress, warm_up_again
+from mingpt_ddp.trainer import TrainState, continue_schedule
 
 if TYPE_CHECKING:
     from mingpt_ddp.config import OptimizerConfig
@@ -61,20 +65,16 @@ def lift_changed_plan(snapshot: dict[str, Any], minutes: Optional[float],
     over the new length. Returns a note saying so, or None when the plan stands."""
     state, saved = snapshot["train_state"], snapshot.get("config", {}).get("trainer", {})
     plan = state.get("planned_steps")
-    if plan is None or "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+    if "time_budget_minutes" not in saved or saved["time_budget_minutes"] == minutes:
+        return None
+    state["budget_spent_s"] = 0.0  # another budget: its time starts now
+    if plan is None:
         return None
     train = TrainState(**state)
     train.planned_steps = None
-    schedule = ""
-    if optim_cfg is not None and optim_cfg.decay_steps is None:
-        if train.step < train.lr_warmup_from + optim_cfg.warmup_steps:  # ended in its warm-up: it goes on
-            pass
-        elif train.step >= plan:  # at the LR floor: jumping back to the peak undid training (loss 3.90 -> 4.11)
-            warm_up_again(train)
-            schedule = f"; the LR warms up again from step {train.step} over optimizer.warmup_steps"
-        else:
-            keep_progress(train, optim_cfg, snapshot.get("total_steps") or plan)
-            schedule = "; the LR decays on from where it is"
+    # its LR horizon: the plan, or max_steps/max_epochs where they ended it first
+    moved = continue_schedule(train, optim_cfg, snapshot.get("total_steps") or plan) if optim_cfg else None
+    schedule = f"; {moved}" if moved else ""
     state.update(asdict(train))
     then = ("trainer.max_epochs/max_steps decide how far it trains" if minutes is None
             else f"{minutes:g} more minutes are planned from the pace of this launch")
@@ -93,20 +93,28 @@ class TimeBudget:
     def __init__(self, minutes: float, clock: Callable[[], float] = time.monotonic):
         self.budget_s = 60.0 * minutes
         self._clock = clock
-        self._started = clock()
+        self._launched = self._started = clock()  # _started: the budget's origin, earlier on a resume
         self._start_step: int | None = None
-        self._kept = False  # a plan this launch found in its snapshot (a resume): kept as it is
         self._points: deque[tuple[int, float]] = deque()  # (step, time) of the recent steps
+        self._points_seen = (0, 0.0)  # (step, time) of this launch's first point: its usual pace
         self._announced: Optional[int] = None  # the plan last logged
+        # CUDA steps are queued: the log step's .item() waits for the GPU time of those before it,
+        # so there the slowest step is theirs too, not a hiccup, and is kept in the pace.
+        self._drop_slowest = True
 
     def __call__(self, trainer: "Trainer") -> None:
         state = trainer.state
         if self._start_step is None:  # the first step of this process (a resume starts later)
-            self._kept = state.planned_steps is not None
-        if self._kept:
-            return
+            self._started -= state.budget_spent_s  # the time its snapshot had spent (0: another budget's)
+            self._announced = state.planned_steps
+            self._drop_slowest = trainer.device.type != "cuda"
         self.observe(state.step)
-        if state.step != self._start_step and state.step % trainer.cfg.log_every == 0:
+        state.budget_spent_s = self._clock() - self._started  # in every snapshot from here
+        # Within log_every steps of its end the plan is revised at every step: one that ended
+        # before the next log step was final, and a burst there ended runs at 72% of the budget.
+        # (planned_steps and step are the same on every rank: all revise, and broadcast, together.)
+        ending = state.planned_steps is not None and state.planned_steps - state.step <= trainer.cfg.log_every
+        if state.step != self._start_step and (state.step % trainer.cfg.log_every == 0 or ending):
             self._revise(trainer)
         if trainer.finished and state.planned_steps is not None:
             spent = self._clock() - self._started
@@ -126,8 +134,14 @@ class TimeBudget:
             trainer.metrics.note(
                 f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s over the last "
                 f"{self._points[-1][0] - self._points[0][0]} steps -> {plan} steps planned; {trainer.total_steps} will "
-                "run (revised as the pace changes; the plan is saved with the snapshots, so a resume keeps it)")
+                "run (revised as the pace changes; a resume with the same budget goes on from the time spent)")
             self._announced = plan
+            warmup = trainer.optim_cfg.warmup_steps
+            if trainer.total_steps < state.lr_warmup_from + warmup:  # the LR rises to the end: said once
+                trainer.metrics.note(
+                    f"time budget {self.budget_s / 60:g} min: the plan of {trainer.total_steps} steps ends within "
+                    f"optimizer.warmup_steps={warmup}, so the LR never decays: lower optimizer.warmup_steps (to about "
+                    f"a tenth of the plan, {max(1, trainer.total_steps // 10)}) or give a longer budget")
         elif self._announced is not None and abs(plan - self._announced) > ANNOUNCE_CHANGE * self._announced:
             trainer.metrics.note(
                 f"time budget {self.budget_s / 60:g} min: {self.pace():.2f} steps/s now -> plan revised from "
@@ -139,7 +153,7 @@ class TimeBudget:
         pools and allocations, made short budgets plan 15-20% too few steps)."""
         now = self._clock()
         if self._start_step is None:
-            self._start_step = step
+            self._start_step, self._points_seen = step, (step, now)
         points = self._points
         points.append((step, now))
         window = WINDOW_SHARE * self.budget_s
@@ -149,23 +163,39 @@ class TimeBudget:
 
     def _plan_with_evaluations(self, trainer: "Trainer"):
         """The plan, with the evaluations it will run (periodic, epoch ends, the final one)
-        kept out of the training time: planned once, then again with those of the first plan."""
+        kept out of the training time. Where those of the longest plan do not fit, the plan
+        ends before the last of them, if that fits (ending at its step instead, a burst of load
+        that made an epoch-end evaluation look costly ended a run at 80% of its budget)."""
         step, per_step = trainer.state.step, FORWARD_SHARE / trainer.global_batch
         final = per_step * trainer.eval_windows(final=True)
-        first = self.plan(step, final)
-        if first is None:
+        plan = self.plan(step, final)
+        if plan is None:
             return None
+        every = trainer.cfg.eval_every
         per_epoch = max(1, trainer.steps_in_epoch(trainer.state.epoch))
         epoch_left = per_epoch - trainer.state.epoch_position // trainer.global_batch  # steps to this epoch's end
-        epoch_ends = 0 if first - step < epoch_left else 1 + (first - step - epoch_left) // per_epoch
-        evaluations = first // trainer.cfg.eval_every - step // trainer.cfg.eval_every + epoch_ends
-        return self.plan(step, final + evaluations * per_step * trainer.eval_windows())
+
+        def evaluations(end: int) -> int:
+            epoch_ends = 0 if end - step < epoch_left else 1 + (end - step - epoch_left) // per_epoch
+            return end // every - step // every + epoch_ends
+
+        def last_evaluation(end: int) -> int:  # the step of the last evaluation before the final one
+            epoch_end = -1 if end - step < epoch_left else end - (end - step - epoch_left) % per_epoch
+            return max(end // every * every, epoch_end)
+
+        while True:  # each pass leaves out one more evaluation
+            fits = self.plan(step, final + evaluations(plan) * per_step * trainer.eval_windows())
+            below = last_evaluation(plan) - 1
+            if fits >= plan or evaluations(plan) == 0 or below <= max(fits, step):
+                return min(plan, fits)
+            plan = below
 
     def pace(self) -> float:
-        """Steps per second over the recent window, its slowest step left out."""
+        """Steps per second over the recent window, its slowest step left out on a CPU (on CUDA
+        it holds the queued steps' GPU time: kept)."""
         pairs = [(s1 - s0, t1 - t0) for (s0, t0), (s1, t1) in zip(self._points, islice(self._points, 1, None))]
         steps, seconds = sum(p[0] for p in pairs), sum(p[1] for p in pairs)
-        if len(pairs) > WINDOW_STEPS:
+        if self._drop_slowest and len(pairs) > WINDOW_STEPS:
             slowest = max(pairs, key=lambda p: p[1] / max(1, p[0]))
             steps, seconds = steps - slowest[0], seconds - slowest[1]
         return steps / max(1e-9, seconds)
@@ -174,8 +204,16 @@ class TimeBudget:
         """The run's total steps once the pace is known; None while still measuring.
         `final_eval_steps`: the evaluations' work still to come, in training steps."""
         elapsed = self._clock() - self._started
-        if elapsed < CALIBRATION_SHARE * self.budget_s and step - self._start_step < CALIBRATION_STEPS:
+        # the pace is this launch's: measured afresh after a resume (the snapshot's plan stands till then)
+        if (self._clock() - self._launched < CALIBRATION_SHARE * self.budget_s
+                and step - self._start_step < CALIBRATION_STEPS):
             return None
         pace = self.pace()
-        left = (1.0 - RESERVE) * self.budget_s - elapsed - EVALUATION_MARGIN * final_eval_steps / pace
+        # The evaluations at the recent pace, with a margin at the launch's own where that is
+        # quicker: a burst of load is not reserved for twice (its pace and the margin on it ended
+        # runs at 80% of the budget), and a load that lasts still has its evaluations' time.
+        (first, started), now = self._points_seen, self._clock()
+        usual = (step - first) / max(1e-9, now - started)
+        evaluations_s = final_eval_steps * max(EVALUATION_MARGIN / max(pace, usual), 1.0 / pace)
+        left = (1.0 - RESERVE) * self.budget_s - elapsed - evaluations_s
         return max(step, step + math.floor(left * pace))

@@ -64,6 +64,8 @@ class TrainState:
     best_val_loss: float = float("inf")
     last_val_loss: Optional[float] = None
     planned_steps: Optional[int] = None  # steps planned from trainer.time_budget_minutes (time_budget.py)
+    # Seconds of that budget spent, at this step: a resume with the same budget goes on from there.
+    budget_spent_s: float = 0.0
     # Training is over and this state saved, its final evaluation not yet done: not a finished
     # run (main.finished_earlier); the next start runs only the final evaluation and saves again.
     final_eval_pending: bool = False
@@ -126,6 +128,20 @@ def keep_progress(state: TrainState, cfg: OptimizerConfig, horizon: int) -> None
 def warm_up_again(state: TrainState) -> None:
     """A run continued past its end (at the LR floor): warm up from here, then decay anew."""
     state.lr_warmup_from, state.lr_anchor_step, state.lr_anchor_progress = state.step, None, 0.0
+
+
+def continue_schedule(state: TrainState, cfg: OptimizerConfig, horizon: int) -> Optional[str]:
+    """A resume moves the LR's end away from `horizon`, the snapshot's: a run that had reached
+    it (at the floor) warms up again; one before it goes on from its LR there (jumping to the
+    new length's LR moved it by up to 65% of the range). Says which; None while in a warm-up
+    (it goes on) or under optimizer.decay_steps (its fixed horizon does not move)."""
+    if cfg.decay_steps is not None or state.step < state.lr_warmup_from + cfg.warmup_steps:
+        return None
+    if state.step >= horizon:
+        warm_up_again(state)
+        return f"the LR warms up again from step {state.step} over optimizer.warmup_steps"
+    keep_progress(state, cfg, horizon)
+    return "the LR decays on from where it is"
 
 
 def rng_state() -> dict[str, Any]:
@@ -231,6 +247,7 @@ class Trainer:
         self.failed_check: Optional[dict[str, str]] = None  # the end-of-run check, once it failed
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
+        self.horizon_moved: Optional[str] = None  # what a resume moving the LR's horizon did (load_state_dict)
         self.resume_hint = "run the same command (same run directory) to resume"  # main names the directory
 
     def _resolve_precision(self, resumed: Optional[str]) -> precision.PrecisionPlan:
@@ -389,6 +406,9 @@ class Trainer:
         self._last_saved = saved_as  # saving the state as loaded would only write it again
         self.total_steps = self.planned_steps()  # a time budget's plan, when the snapshot has one
         self._resume_global_batch(snapshot)
+        moved_from = snapshot.get("total_steps")  # absent in snapshots before it was recorded
+        self.horizon_moved = (continue_schedule(self.state, self.optim_cfg, moved_from)
+                              if moved_from is not None and moved_from != self.total_steps else None)
         rng_per_rank = snapshot["rng"]
         if len(rng_per_rank) == self.dist.world_size:
             set_rng_state(rng_per_rank[self.dist.rank])

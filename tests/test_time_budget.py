@@ -1,4 +1,4 @@
-"""trainer.time_budget_minutes: steps planned from the measured pace, kept across a resume."""
+"""trainer.time_budget_minutes: steps planned from the measured pace, revised, continued by a resume."""
 from __future__ import annotations
 
 import os
@@ -153,11 +153,31 @@ def test_a_revised_plan_keeps_the_lr_continuous_and_a_resume_computes_the_same(t
 
 
 @pytest.mark.unit
-def test_a_resume_with_the_same_budget_keeps_the_snapshot_s_plan(trainer):
-    """No clock for the time before the resume: the saved plan (and so the LR) stands, bit for bit."""
-    state = TrainState(step=40, planned_steps=120)
-    budgeted_run(trainer, lambda t: 0.01, state=state)  # much quicker now: not planned again
-    assert trainer.state.step == 120 and trainer.state.planned_steps == 120
+@pytest.mark.parametrize("killed_at", [30, 4])
+def test_a_resume_with_the_same_budget_goes_on_from_the_time_spent(trainer, killed_at):
+    """Review of issue 32: a resume kept the snapshot's plan forever, so a run planned under a
+    load and killed at step 30 trained 28% of the unbroken run's steps. The snapshot carries the
+    budget's seconds spent: the resume goes on from there and revises as a fresh run does
+    (killed before the first plan, at step 4, the seconds before the kill count too)."""
+    trainer.state = TrainState()
+    trainer.total_steps = trainer.planned_steps()
+    now = [0.0]
+    first = TimeBudget(BUDGET_MIN, clock=lambda: now[0])
+    while trainer.state.step < killed_at:  # 5x loaded: an early plan is small
+        now[0] += 0.5
+        trainer.state.step += 1
+        trainer.state.epoch_position += trainer.global_batch
+        first(trainer)
+    assert (trainer.state.planned_steps is not None) == (killed_at == 30)
+    snapshot = asdict(trainer.state)
+    seconds, lrs, _ = budgeted_run(trainer, lambda t: 0.1, state=TrainState(**snapshot))  # the load is gone
+    budget = 60 * BUDGET_MIN
+    assert 0.85 * budget <= now[0] + seconds <= 1.10 * budget, (now[0], seconds, trainer.state.step)
+    assert lrs[-1] < FLOOR + 0.05 * (PEAK - FLOOR)
+    assert snapshot["budget_spent_s"] == pytest.approx(killed_at * 0.5)
+    # A snapshot from before the field resumes as one with nothing spent.
+    old = {k: v for k, v in snapshot.items() if k != "budget_spent_s"}
+    assert TrainState(**old).budget_spent_s == 0.0
 
 
 @pytest.mark.unit
@@ -228,7 +248,7 @@ def test_a_budgeted_run_has_no_total_to_show_until_planned(trainer):
 
 
 @pytest.mark.dist
-def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, small_corpus):
+def test_a_budgeted_run_stops_at_its_plan_and_a_resume_goes_on_with_it(tmp_path, small_corpus):
     run_dir = tmp_path / "run"
     args = [*TINY, f"data.path={small_corpus}", "trainer.max_epochs=1000", "trainer.time_budget_minutes=0.4",
             f"hydra.run.dir={run_dir}"]
@@ -254,9 +274,12 @@ def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, 
     resumed = subprocess.run([PYTHON, MAIN, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                              timeout=600)
     assert resumed.returncode == 0, resumed.stderr
-    assert "time budget" not in resumed.stdout + resumed.stderr  # not planned again
+    text = resumed.stdout + resumed.stderr
+    assert "steps planned;" not in text, text  # the snapshot's plan stands, revised from the time it had spent
     final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
-    assert final["step"] == plan and final["planned_steps"] == plan
+    plan = final["planned_steps"]
+    assert final["step"] == plan and final["budget_spent_s"] > stopped["budget_spent_s"] > 0, (final, stopped)
+    assert f"training ends at step {plan}" in text, text
     assert read_metrics(run_dir)[-1]["step"] == plan
 
     # Finished by its plan: the message says how to go on, and doing so works. Without a
@@ -272,3 +295,105 @@ def test_a_budgeted_run_stops_at_its_plan_and_a_resume_keeps_the_plan(tmp_path, 
     assert "time budget changed from 0.4 min to none" in text, text
     final = load_snapshot(run_dir / "snapshot.pt")["train_state"]
     assert final["step"] == plan + 10 and final["planned_steps"] is None, text
+
+
+@pytest.mark.unit
+def test_a_run_that_ended_below_its_plan_warms_up_again_under_another_budget():
+    """Review of issue 32: a budgeted run that ended by max_steps (300) below its plan (898),
+    continued under another budget, was taken as stopped mid-plan: its LR, at the floor,
+    "decayed on" from there and stayed at min_lr for the whole continuation."""
+    from mingpt_ddp.time_budget import lift_changed_plan
+
+    cfg = OptimizerConfig(lr=PEAK, min_lr=FLOOR, warmup_steps=WARMUP)
+    snapshot = {"train_state": asdict(TrainState(step=300, planned_steps=898)), "total_steps": 300,
+                "config": {"trainer": {"time_budget_minutes": 5, "max_steps": 300}}}
+    note = lift_changed_plan(snapshot, 10, cfg)
+    continued = TrainState(**snapshot["train_state"])
+    assert "warms up again" in note and continued.lr_warmup_from == 300, note
+    assert lr_at(300 + WARMUP - 1, cfg, 1000, continued) == pytest.approx(PEAK)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("budget", [BUDGET_MIN, None])
+def test_a_resume_that_moves_the_lr_horizon_keeps_the_lr_continuous_or_warms_up_again(trainer, budget):
+    """Review of issue 32: a run resumed with a higher trainer.max_steps (budgeted or not,
+    optimizer.decay_steps=null) jumped its LR: from the floor to 65% of the range at the end of
+    its schedule, +40% of the range mid-run, with no note for a budgeted run."""
+    from omegaconf import OmegaConf
+
+    from mingpt_ddp.main import lr_horizon
+
+    cfg, saved = trainer.optim_cfg, (trainer.cfg.max_steps, trainer.cfg.time_budget_minutes)
+    conf = OmegaConf.create({"optimizer": {"decay_steps": None},
+                             "trainer": {"time_budget_minutes": budget, "continue_with_new_settings": False}})
+    try:
+        trainer.cfg.time_budget_minutes = budget
+        for step in (300, 200):  # its schedule ended there at max_steps=300 (a plan of 898 above it); and mid-run
+            trainer.state, trainer.cfg.max_steps = TrainState(), 300
+            snapshot = {**trainer.state_dict(), "total_steps": 300,
+                        "train_state": asdict(TrainState(step=step, planned_steps=898 if budget else None))}
+            before = lr_at(step - 1, cfg, 300)
+            trainer.cfg.max_steps = 600  # resumed to train further
+            trainer.load_state_dict(snapshot)
+            assert trainer.total_steps == 600
+            lrs = [lr_at(s, cfg, 600, trainer.state) for s in range(step, 601)]
+            if step == 300:  # at the floor: warms up again, then decays over the new length
+                assert lrs[0] < FLOOR + 0.15 * (PEAK - FLOOR) and lrs[WARMUP - 1] == pytest.approx(PEAK), lrs[:WARMUP]
+            else:  # continuous, then only decays to the floor at the new end
+                assert abs(lrs[0] - before) < 0.02 * (PEAK - FLOOR), (before, lrs[0])
+                assert all(a >= b for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(FLOOR)
+            note = lr_horizon(conf, snapshot, trainer.total_steps, None, trainer.horizon_moved, trainer.plan_pending)
+            assert note and note.startswith("LR horizon 300 \u2192 600 steps"), note
+            assert ("warms up again" if step == 300 else "decays on") in note, note
+    finally:
+        trainer.cfg.max_steps, trainer.cfg.time_budget_minutes = saved
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("start", [25, 26, 27, 30])
+def test_a_burst_just_before_the_plan_s_end_does_not_end_the_run_early(trainer, start):
+    """Review of issue 32: a plan that ended before the next log step was final, so a 5x load
+    for 6 s just before the end ended runs at 72-83% of the budget. Within log_every steps of
+    its end the plan is revised at every step."""
+    seconds, _, _ = budgeted_run(trainer, lambda t: 0.5 if start <= t < start + 6 else 0.1)
+    assert 0.85 * 60 * BUDGET_MIN <= seconds <= 1.10 * 60 * BUDGET_MIN, (start, seconds, trainer.state.step)
+
+
+@pytest.mark.unit
+def test_a_plan_shorter_than_the_warm_up_says_the_lr_never_decays(trainer, monkeypatch):
+    """Review of issue 32: a plan that ends within optimizer.warmup_steps trains at a rising LR
+    to its end, silently. The first plan says so and names the fix; the schedule is unchanged."""
+    notes = []
+    monkeypatch.setattr(trainer.metrics, "note", notes.append)
+    budgeted_run(trainer, lambda t: 5.0)  # a plan of fewer than WARMUP steps
+    assert trainer.state.planned_steps < WARMUP, trainer.state.planned_steps
+    said = [n for n in notes if "never decays" in n]
+    assert len(said) == 1 and "lower optimizer.warmup_steps" in said[0], notes
+    notes.clear()
+    budgeted_run(trainer, lambda t: 0.1)
+    assert not [n for n in notes if "never decays" in n], notes
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_on_cuda_the_pace_keeps_the_log_step_that_waits_for_the_queued_steps(device):
+    """Review of issue 32: CUDA steps are asynchronous and the log step (its metrics' .item())
+    waits for the steps queued before it; leaving out the slowest step left out their GPU time
+    and overestimated the pace (here 10 steps/s for 7.2). On CPUs a slow step is a hiccup, left out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    now = [0.0]
+    budget = TimeBudget(BUDGET_MIN, clock=lambda: now[0])
+    fake = SimpleNamespace(device=torch.device(device), state=TrainState(), finished=False,
+                           cfg=SimpleNamespace(log_every=10 ** 6))
+    for step in range(1, 41):  # 9 steps queued in 10 ms each, then the log step waits 0.91 s for them
+        now[0] += 0.91 if step % 10 == 0 else 0.01
+        fake.state.step = step
+        budget(fake)
+    steps, seconds = budget._points[-1][0] - budget._points[0][0], budget._points[-1][1] - budget._points[0][1]
+    if device == "cuda":
+        assert budget.pace() == pytest.approx(steps / seconds)  # what the GPU does
+    else:
+        assert budget.pace() > 1.3 * steps / seconds  # 10 steps/s
