@@ -34,7 +34,7 @@ RANK0_WAIT_MARGIN_MINUTES = 5.0
 GPU_SNAPSHOT_EVERY_MINUTES = 30.0
 # The same on CPUs, where an epoch is long too and a second Ctrl-C stops without a snapshot:
 # GPT-2 size (124M parameters) costs ~5.6 s per snapshot on a 2-core CPU (host copy + write),
-# 1% of 10 minutes; the default gpt-mini 0.08 s (issue 32, /tmp/h-stops/save_cost.py).
+# under 1% of 10 minutes; the default gpt-mini 0.06 s (benchmarks/RESULTS.md, issue 32).
 CPU_SNAPSHOT_EVERY_MINUTES = 10.0
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
