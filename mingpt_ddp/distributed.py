@@ -370,6 +370,7 @@ def _process_group_store(rank: int, world_size: int, timeout: datetime.timedelta
 
 
 _current: Optional[DistEnv] = None
+_torch_threads = 1  # torch's own thread count, before setup() sized it (a GPU sweep's null points get it back)
 _store: Optional[torch_dist.Store] = None  # the rendezvous store: error reports, waits for rank 0
 _rank0_wait_minutes = 15.0 + RANK0_WAIT_MARGIN_MINUTES  # set by setup()
 _rounds = itertools.count()  # the store waits of this process, numbered alike on every rank
@@ -396,13 +397,16 @@ def setup(timeout_minutes: float = DEFAULT_COLLECTIVE_TIMEOUT_MINUTES,
     Once per process: the sweep points of a multirun reuse the same process group, which
     is torn down when the process exits.
     """
-    global _current, _store, _rank0_wait_minutes, _collective_timeout
+    global _current, _store, _rank0_wait_minutes, _collective_timeout, _torch_threads
     if rank0_wait_minutes is not None:
         _rank0_wait_minutes = rank0_wait_minutes
     if _current is not None:  # a sweep's later point: its own trainer.cpu_threads
         if _current.device.type != "cuda" or threads is not None:
             size_thread_pools(cpu_threads(threads, _current.local_world_size), threads is not None, _current.rank)
+        else:  # null on a GPU: torch's own count, as a fresh process has
+            torch.set_num_threads(_torch_threads)
         return _current
+    _torch_threads = torch.get_num_threads()
     rank, local_rank, world_size, local_world_size = read_topology()
     n_threads = cpu_threads(threads, local_world_size)  # a bad trainer.cpu_threads: before anything starts
     device_, backend, problem = torch.device("cpu"), "", None

@@ -690,7 +690,7 @@ def update_cache(path: str, key: str, change: Callable[[Any], Any]) -> None:
     measurement next time."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(f"{path}.lock", "a", encoding="utf-8") as lock:
+        with os.fdopen(_open_lock(f"{path}.lock"), "rb") as lock:
             if fcntl is not None:
                 try:
                     fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
@@ -708,6 +708,16 @@ def update_cache(path: str, key: str, change: Callable[[Any], Any]) -> None:
             _write_json(path, data)
     except OSError as exc:
         log.warning("could not cache a measurement in %s (%s)", path, exc)
+
+
+def _open_lock(path: str) -> int:
+    """The lock file, for writing where this user may (NFS's flock, emulated by POSIX locks,
+    needs it), else read-only: in a cache directory a group shares, another user's 0644 lock
+    file refused opening for append (flock needs no write access on a local filesystem)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except PermissionError:
+        return os.open(path, os.O_RDONLY)
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -203,7 +203,8 @@ class StopRequest:
         else:
             state = f"the newest snapshot saved is {newest}" if newest else "no snapshot saved yet"
         then = ("the evaluation finishes, is saved, and the run ends" if self.final_evaluation
-                else "the run waits for it and ends" if saving else "the run ends")
+                else "the run waits for it, runs its final evaluation if one is due, and ends" if saving
+                else "the run ends")
         again = ("press Ctrl-C again to stop at once" if signum == signal.SIGINT
                  else "a second stop signal exits at once")
         return f"{who} {where}: {state}; {then}; {again}, keeping the newest snapshot saved"

@@ -495,6 +495,22 @@ def test_a_cpu_process_reuses_the_memory_of_large_tensors():
 
 
 @pytest.mark.unit
+def test_a_gpu_sweeps_point_without_cpu_threads_gets_torchs_own_count_back(monkeypatch):
+    """On GPUs null means torch's own count: a sweep's later point kept the previous point's setting."""
+    gpu = distributed.DistEnv(0, 0, 1, 1, torch.device("cuda", 0), "nccl")
+    monkeypatch.setattr(distributed, "_current", gpu)
+    monkeypatch.setattr(distributed, "_torch_threads", 2)
+    threads = torch.get_num_threads()
+    try:
+        distributed.setup(threads=1)  # a point with trainer.cpu_threads=1
+        assert torch.get_num_threads() == 1
+        distributed.setup(threads=None)  # the next point, null
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.unit
 def test_malloc_settings_the_user_chose_are_left_alone():
     for env in ({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=65536"}, {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"},
                 {"MALLOC_TRIM_THRESHOLD_": "131072"}, {"MALLOC_MMAP_THRESHOLD_": "65536"}):

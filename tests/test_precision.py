@@ -320,6 +320,27 @@ def _peaks_many(first, ready):
         metrics.cached_peak(torch.device("cpu"), torch.float32, [(rows, 8, 8)])
 
 
+def test_a_lock_file_this_user_cannot_write_still_lets_the_cache_be_updated(tmp_path, monkeypatch):
+    """In a cache directory a group shares, the lock file is another user's (0644): opening it for
+    writing is refused, so the update takes the lock on a read-only descriptor (it lost every entry)."""
+    import os
+    path = str(tmp_path / "precision.json")
+    open(f"{path}.lock", "w").close()
+    real_open = os.open
+
+    def another_users_lock(name, flags, *mode):
+        if name.endswith(".lock") and flags & (os.O_RDWR | os.O_WRONLY | os.O_APPEND):
+            raise PermissionError(13, "Permission denied", name)
+        return real_open(name, flags, *mode)
+    monkeypatch.setattr(os, "open", another_users_lock)
+    monkeypatch.setattr(precision, "open", lambda name, mode="r", *a, **k: (
+        (_ for _ in ()).throw(PermissionError(13, "Permission denied", name)) if str(name).endswith(".lock")
+        and mode != "r" else open(name, mode, *a, **k)), raising=False)
+    precision.update_cache(path, "k", lambda old: {"choice": "bf16"})
+    monkeypatch.undo()
+    assert json.loads(open(path).read()) == {"k": {"choice": "bf16"}}
+
+
 @pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="needs fork")
 def test_two_processes_writing_the_caches_at_once_keep_each_others_entries(tmp_path, monkeypatch):
     """Review of issue 32: each writer read the whole cache, changed it and replaced the file, so
