@@ -108,6 +108,7 @@ class TimeBudget:
             self._started -= state.budget_spent_s  # the time its snapshot had spent (0: another budget's)
             self._announced = state.planned_steps
             self._drop_slowest = trainer.device.type != "cuda"
+            trainer.budget_spent = lambda: self._clock() - self._started  # read when a snapshot is taken
         self.observe(state.step)
         state.budget_spent_s = self._clock() - self._started  # in every snapshot from here
         # Within log_every steps of its end the plan is revised at every step: one that ended

@@ -248,6 +248,7 @@ class Trainer:
         # Called as callback(trainer) after every optimizer step (benchmarks, custom metrics).
         self.step_callbacks: list[Callable[["Trainer"], None]] = []
         self.horizon_moved: Optional[str] = None  # what a resume moving the LR's horizon did (load_state_dict)
+        self.budget_spent: Optional[Callable[[], float]] = None  # a time budget's clock (time_budget.TimeBudget)
         self.resume_hint = "run the same command (same run directory) to resume"  # main names the directory
 
     def _resolve_precision(self, resumed: Optional[str]) -> precision.PrecisionPlan:
@@ -374,7 +375,7 @@ class Trainer:
         return {
             **self.strategy.state_dicts(self.optimizer),  # model, optimizer (this rank's shards under FSDP)
             "scaler": self.scaler.state_dict(),
-            "train_state": asdict(self.state),
+            "train_state": {**asdict(self.state), **self._budget_now()},
             "rng": distributed.all_gather_object(rng_state()),
             "world_size": self.dist.world_size,
             "global_batch": self.global_batch,
@@ -385,6 +386,11 @@ class Trainer:
             "failed_check": self.failed_check,
             **self.snapshot_metadata,
         }
+
+    def _budget_now(self) -> dict[str, float]:
+        """The time budget's seconds spent as of this snapshot: its evaluation and staging count
+        (the step's value left them out: each resume under-counted one evaluation)."""
+        return {} if self.budget_spent is None else {"budget_spent_s": self.budget_spent()}
 
     def load_state_dict(self, snapshot: dict[str, Any], restart_epoch: bool = False,
                         new_validation: bool = False) -> None:

@@ -169,6 +169,9 @@ def test_a_resume_with_the_same_budget_goes_on_from_the_time_spent(trainer, kill
         trainer.state.epoch_position += trainer.global_batch
         first(trainer)
     assert (trainer.state.planned_steps is not None) == (killed_at == 30)
+    now[0] += 7.0  # an evaluation (or a save's staging) after the step, before its snapshot is taken
+    assert trainer.state_dict()["train_state"]["budget_spent_s"] == pytest.approx(killed_at * 0.5 + 7.0)
+    now[0] -= 7.0  # (the resume below compares with the step's figure)
     snapshot = asdict(trainer.state)
     seconds, lrs, _ = budgeted_run(trainer, lambda t: 0.1, state=TrainState(**snapshot))  # the load is gone
     budget = 60 * BUDGET_MIN
