@@ -149,7 +149,7 @@ class SeaweedFS(S3Server):
         # Like AWS: no bucket appears by itself on upload (weed's default creates one).
         return [str(BIN / "weed"), "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
-                "-s3.port.lance=0", "-s3.autoCreateBucket=false", f"-s3.config={config}",
+                "-s3.port.lance=0", "-s3.autoCreateBucket=false", "-volume.max=1000", "-master.volumeSizeLimitMB=64", f"-s3.config={config}",
                 *(f"-{flag}={port}" for flag, port in self.ports.items())]
 
     def stop(self) -> None:

@@ -2,11 +2,13 @@
 gloo workers: data and snapshots on s3://, resume, sampling, rank 0 killed mid-upload, the
 server going away and coming back (or not), errors before training, and no secret in
 anything a run writes."""
+import json
 import os
 import re
 import signal
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -57,6 +59,16 @@ def stop(proc: subprocess.Popen) -> None:
 def must_pass(proc) -> str:
     assert proc.returncode == 0, output(proc)
     return output(proc)
+
+
+def test_the_test_store_has_a_volume_for_every_bucket_however_little_disk_is_free(seaweedfs):
+    """SeaweedFS gives every bucket a volume of its own and, left to itself, allows free disk
+    space / 1 GiB of them: 14 with 15 GB free, so each bucket after the 14th answered every
+    upload with InternalError (6 tests failed so in CI). The s3 tier writes into 16 today."""
+    url = f"http://127.0.0.1:{seaweedfs.ports['master.port']}/dir/status"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        topology = json.load(reply)["Topology"]
+    assert topology["Max"] >= 500 and topology["Free"] >= 300, topology
 
 
 def no_worker_traceback(text: str) -> bool:
