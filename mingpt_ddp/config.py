@@ -67,6 +67,13 @@ class TokenizerKind(str, Enum):
     gpt2 = "gpt2"  # GPT-2's 50,257-token BPE (tiktoken)
 
 
+class Gelu(str, Enum):
+    """The MLP's activation (model.py)."""
+
+    exact = "exact"  # erf-based, torch's default: every model trained here so far
+    tanh = "tanh"  # GPT-2's tanh approximation: what weights from GPT-2 were trained with
+
+
 class Device(str, Enum):
     """Where a rank trains (distributed.pick_device)."""
 
@@ -88,6 +95,8 @@ class ModelConfig:
     n_head: int = 6
     n_embd: int = 192
     dropout: float = 0.1
+    # exact | tanh (GPT-2's approximation; weights trained with it need it)
+    gelu: Gelu = Gelu.exact
 
 
 @dataclass

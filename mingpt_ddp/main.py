@@ -456,7 +456,8 @@ def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) 
     vocab = corpus.vocab
     if found is not None and saved_tokenizer is None:
         vocab = Vocabulary(found.snapshot["vocab"])
-    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **OmegaConf.to_container(cfg.model))
+    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size,
+                          **OmegaConf.to_container(cfg.model, enum_to_str=True))
     shown = storage.redacted_config(OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True))
     identity = corpus_identity.identity(token_file.text_sha256, len(corpus.train_tokens), len(corpus.val_tokens), shown)
     return RunData(corpus, tok, vocab, model_cfg, identity)

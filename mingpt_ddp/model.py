@@ -23,6 +23,9 @@ class GPTConfig:
     n_head: int
     n_embd: int
     dropout: float = 0.0
+    # "exact" (erf) or "tanh": GPT-2's own approximation, for weights trained with it
+    # (model.init_from). Old snapshots have no such field: exact, as they were trained.
+    gelu: str = "exact"
 
 
 # Up to this many positions, CPU bf16 attention is computed as explicit matrix products
@@ -75,9 +78,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
+        return self.dropout(self.proj(F.gelu(self.fc(x), approximate=self.approximate)))
 
 
 class Block(nn.Module):

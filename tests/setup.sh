@@ -12,9 +12,9 @@ fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 # The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 "${PIP[@]}" "torch==2.13.0"
-# Every tracker (logger=...), export format, data source (http: aiohttp), tokenizer and corpus
+# Every tracker (logger=...), export format (transformers for --hf), data source (http: aiohttp), tokenizer and corpus
 # format, so that their tests run rather than skip (one command: mlflow caps pyarrow's version).
-"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors,http,bpe,gpt2,parquet]"
+"${PIP[@]}" -e ".[test,plot,tensorboard,mlflow,wandb,safetensors,http,bpe,gpt2,parquet,hf]"
 # GPT-2's BPE file without the network: openai-whisper ships it (whisper/assets/gpt2.tiktoken,
 # byte for byte tiktoken's r50k_base file); tests/test_tokenizer.py puts it into a tiktoken
 # cache of its own. Only the file is used: none of whisper's dependencies.

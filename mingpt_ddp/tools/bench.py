@@ -147,7 +147,7 @@ def build_trainer(cfg, dist, saver=None):
 
     corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, threads=encode_threads(cfg, dist))
     model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
-                          **OmegaConf.to_container(cfg.model))
+                          **OmegaConf.to_container(cfg.model, enum_to_str=True))
     seed_everything(cfg.trainer.seed)
     model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
