@@ -31,11 +31,18 @@ print(_json.dumps({{"x": x.tolist(), "logits": logits.tolist(), "modules": sorte
 """
 
 
-@pytest.mark.cli
-def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logits(tmp_path, small_corpus):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, small_corpus):
+    """A 10-step run (characters), shared by the tests that export it."""
+    run_dir = tmp_path_factory.mktemp("export") / "run"
     proc = run_cli([*TINY, f"hydra.run.dir={run_dir}", f"data.path={small_corpus}", "trainer.max_steps=10"])
     assert proc.returncode == 0, output(proc)
+    return run_dir
+
+
+@pytest.mark.cli
+def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logits(tmp_path, trained_run):
+    run_dir = trained_run
     exported = tmp_path / "exported"
     proc = subprocess.run([PYTHON, "-m", "mingpt_ddp.export", str(run_dir), str(exported)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
@@ -60,6 +67,36 @@ def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logi
     with torch.no_grad():
         expected, _ = model(torch.tensor(result["x"]))
     torch.testing.assert_close(torch.tensor(result["logits"]), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.cli
+def test_a_run_exported_with_hf_continues_a_prompt_in_transformers_with_the_sample_tools_greedy_tokens(
+        tmp_path, trained_run, capsys):
+    """issue 33's check: AutoModelForCausalLM's greedy generate, our GPT.generate at temperature
+    0 and `python -m mingpt_ddp.sample ... temperature=0` (its cli, in process) agree."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    from mingpt_ddp.corpus import tokenizer
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.tools import export, sample
+
+    out = tmp_path / "hf"
+    export.cli([str(trained_run), str(out), "--hf"])
+    assert "exported step 10" in capsys.readouterr().out
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    prompt, new = "ROMEO:", 26  # 32 positions in all: transformers does not crop the context
+    ids = their_tokenizer(prompt, return_tensors="pt").input_ids
+    generated = theirs.generate(ids, max_new_tokens=new, do_sample=False)[0].tolist()
+
+    snapshot = load_snapshot(trained_run / "snapshot.pt")
+    model = GPT(GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])
+    ours = model.eval().generate(torch.tensor([tokenizer.from_snapshot(snapshot).encode(prompt).tolist()]), new,
+                                 temperature=0)[0].tolist()
+    assert generated == ours and len(ours) == len(prompt) + new
+    sample.cli([str(trained_run), f"prompt={prompt}", f"max_new_tokens={new}", "temperature=0"])
+    assert capsys.readouterr().out == their_tokenizer.decode(generated) + "\n"
 
 
 @pytest.mark.cli

@@ -125,6 +125,11 @@ class Tokenizer:
         """Write the tokenizer's own file into `directory` (export); return its name."""
         return None
 
+    def hf_json(self) -> str:
+        """This tokenizer as Hugging Face's tokenizer.json (what `export --hf` writes), giving
+        the same ids for the same text."""
+        raise NotImplementedError
+
 
 class CharTokenizer(Tokenizer):
     """Characters: the Vocabulary of char_dataset.py, as every run had before."""
@@ -171,6 +176,18 @@ class CharTokenizer(Tokenizer):
     def describe(self) -> str:
         return f"char ({self.size:,} characters)"
 
+    def hf_json(self) -> str:
+        """A BPE without merges over the characters, no normalizer, no pre-tokenizer: each
+        character is its own token, with its id. A character outside the vocabulary has no
+        token and the format no error: Hugging Face's tokenizer drops it (no unknown token)."""
+        return json.dumps({
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": None, "post_processor": None, "decoder": {"type": "Fuse"},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {c: i for i, c in enumerate(self.vocab.chars)}, "merges": []},
+        }, ensure_ascii=False)
+
 
 # ---- byte-level BPE: trained by Hugging Face tokenizers, encoded by tiktoken ---------------------
 # GPT-2's pre-tokenization (tiktoken's r50k pattern; Hugging Face's ByteLevel regex is the same).
@@ -184,6 +201,44 @@ def require_tiktoken(what: str):
         raise ConfigError(f"{what} needs tiktoken: pip install 'mingpt-ddp[{what.rsplit('=', 1)[-1]}]' "
                           "(or pip install tiktoken)") from None
     return tiktoken
+
+
+def byte_level_json(ranks: Mapping[bytes, int], eot_id: int) -> str:
+    """tokenizer.json of a byte-level BPE given as tiktoken's ranks (a token's rank is its id
+    and the order its merge was learned in) and <|endoftext|>'s id: GPT-2's format. Each
+    token's merge is recovered by merging its bytes by rank, stopping below its own rank: the
+    two parts left are the pair it was made of."""
+    char_of = {b: c for c, b in _byte_of_char().items()}
+
+    def merge_of(token: bytes, rank: int) -> list[bytes]:
+        parts = [token[i:i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best = min(((ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)))
+            if best[0] >= rank:
+                break
+            i = best[1]
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return parts
+
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) > 1:
+            parts = merge_of(token, rank)
+            if len(parts) != 2:
+                raise ConfigError(f"token {rank} ({token!r}) is made by no merge of lower-ranked tokens: "
+                                  "not a byte-level BPE's ranks")
+            merges.append(" ".join("".join(char_of[b] for b in part) for part in parts))
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return json.dumps({
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": eot_id, "content": EOT, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True}],
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None, "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": {"".join(char_of[b] for b in token): rank for token, rank in ranks.items()},
+                  "merges": merges},
+    }, ensure_ascii=False)
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -277,6 +332,9 @@ class BpeTokenizer(_TiktokenTokenizer):
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "bpe", "json": self.json}
 
+    def hf_json(self) -> str:
+        return self.json  # Hugging Face's own, as trained
+
     def save(self, directory: str) -> str:
         """tokenizer.json, as Hugging Face's ``tokenizers.Tokenizer.from_file`` reads it."""
         with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -350,6 +408,10 @@ class Gpt2Tokenizer(_TiktokenTokenizer):
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "gpt2", "encoding": "r50k_base", "sha256": GPT2_FILE_SHA256}
+
+    def hf_json(self) -> str:
+        """GPT-2's tokenizer.json (vocab and merges), rebuilt offline from tiktoken's ranks."""
+        return byte_level_json({t: i for i, t in enumerate(self._bytes) if i != self.eot_id}, self.eot_id)
 
     def save(self, directory: str) -> str:
         """GPT-2's ranks in tiktoken's file format, what tiktoken.load.load_tiktoken_bpe reads."""

@@ -20,6 +20,17 @@ tensors and plain containers. With ``--safetensors`` (needs `pip install safeten
 model.safetensors is written too, for tools that read that format. A snapshot marked as
 failing the end-of-run check (the ranks' parameters differed) is refused unless
 ``--accept-failed-check`` is given; config.json then records the failed check.
+
+With ``--hf`` (needs safetensors) the directory is instead Hugging Face transformers' GPT-2
+(GPT2LMHeadModel) with its tokenizer, for ``AutoModelForCausalLM`` / ``AutoTokenizer``:
+
+    config.json             GPT-2's config (hf_gpt2.hf_config), float32, <|endoftext|> as bos/eos
+    model.safetensors       the weights in GPT-2's layout (hf_gpt2.to_hf), the tied head once
+    generation_config.json  the token ids; ids of a padded vocabulary suppressed
+    tokenizer.json          Hugging Face's tokenizer giving this run's ids (Tokenizer.hf_json)
+    tokenizer_config.json   loads tokenizer.json as it is (PreTrainedTokenizerFast)
+    mingpt_ddp.json         this project's side (read_hf_export): the model config, the
+                            tokenizer's own state and the 'trained' metadata
 """
 from __future__ import annotations
 
@@ -32,20 +43,24 @@ from typing import Any, Optional
 import torch
 
 from mingpt_ddp import model as model_module
-from mingpt_ddp.checkpoint import storage
+from mingpt_ddp.checkpoint import hf_gpt2, storage
 from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.tools.sample import failed_check, load_latest
 
 USAGE = ("usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors] "
-         "[--accept-failed-check]")
+         "[--accept-failed-check] [--hf]")
 FORMAT = "mingpt-ddp-export 1"
+HF_FORMAT = "mingpt-ddp-hf-export 1"
+SIDECAR = "mingpt_ddp.json"  # in an --hf directory: what transformers' files leave out
 
 
-def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_check: bool = False) -> dict[str, Any]:
+def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_check: bool = False,
+           hf: bool = False) -> dict[str, Any]:
     """Write weights.pt, config.json and model.py (and model.safetensors) to `out_dir`;
     return what config.json says. `accept_failed_check`: export a snapshot marked as failing
-    the end-of-run check too (else refused)."""
+    the end-of-run check too (else refused). `hf`: write transformers' GPT-2 directory
+    instead (write_hf); return what mingpt_ddp.json says."""
     found = load_latest(source)
     if found is None:
         raise ConfigError(f"no snapshot at {source}: give a snapshot file or a run directory that has one")
@@ -56,15 +71,21 @@ def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_c
             f"snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank 0's) may be "
             "wrong; compare the nodes' environments, or pass --accept-failed-check to export it anyway (config.json "
             "then records the failed check)")
-    if safetensors:
+    if safetensors or hf:
         try:
             from safetensors.torch import save_model
         except ImportError:
-            raise ConfigError("--safetensors needs safetensors: pip install safetensors") from None
+            flag = "--hf" if hf else "--safetensors"
+            raise ConfigError(f"{flag} needs safetensors: pip install safetensors (or pip install -e '.[hf]')") from None
     model = model_module.GPT(model_module.GPTConfig(**snapshot["model_config"]))
     model.load_state_dict(snapshot["model"])  # a state_dict that does not fit fails here, not at the user's
     tok = tokenizer.from_snapshot(snapshot)
     state = snapshot["train_state"]
+    trained = {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
+               "val_loss": state.get("last_val_loss"), "source": storage.redact(where),
+               "failed_check": snapshot.get("failed_check") or None}  # the end-of-run check it failed
+    if hf:
+        return write_hf(model, snapshot["model_config"], tok, trained, out_dir)
     os.makedirs(out_dir, exist_ok=True)
     meta = {
         "format": FORMAT,
@@ -72,9 +93,7 @@ def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_c
         "tokenizer": {"kind": tok.kind, "file": tok.save(out_dir), "vocab_size": tok.size,
                       **({"eot_id": tok.eot_id} if tok.kind != "char" else {})},
         **({"vocab": list(tok.vocab.chars)} if tok.kind == "char" else {}),
-        "trained": {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
-                    "val_loss": state.get("last_val_loss"), "source": storage.redact(where),
-                    "failed_check": snapshot.get("failed_check") or None},  # the end-of-run check it failed
+        "trained": trained,
     }
     torch.save(model.state_dict(), os.path.join(out_dir, "weights.pt"))
     if safetensors:
@@ -86,23 +105,100 @@ def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_c
     return meta
 
 
+def _write_json(path: str, value: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def write_hf(model: model_module.GPT, model_config: dict[str, Any], tok: tokenizer.Tokenizer,
+             trained: dict[str, Any], out_dir: str) -> dict[str, Any]:
+    """transformers' GPT-2 directory of `model` and `tok` (module docstring); return the
+    sidecar. <|endoftext|> is bos and eos for the BPEs (generate stops at a document's end);
+    characters have neither (the newline that joins their documents also ends lines). Ids
+    past the tokenizer's (a padded vocabulary) are suppressed in generation_config.json."""
+    from safetensors.torch import save_file
+
+    vocab_size = model_config["vocab_size"]
+    if vocab_size < tok.size:
+        raise ConfigError(f"the model has {vocab_size} token ids and its tokenizer {tok.size}: not a snapshot "
+                          "this project wrote")
+    eot = tok.eot_id
+    block_size = model_config["block_size"]
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(os.path.join(out_dir, "config.json"),
+                hf_gpt2.hf_config(model_config, bos_token_id=eot, eos_token_id=eot, torch_dtype="float32"))
+    save_file(hf_gpt2.to_hf(model.state_dict(), model_config["n_layer"]),
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    padding = list(range(tok.size, vocab_size))
+    _write_json(os.path.join(out_dir, "generation_config.json"),
+                {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": eot,
+                 **({"suppress_tokens": padding} if padding else {})})
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(tok.hf_json())
+    special = {"bos_token": tokenizer.EOT, "eos_token": tokenizer.EOT} if eot is not None else {}
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"),
+                {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+                 "clean_up_tokenization_spaces": False, **special})
+    sidecar = {"format": HF_FORMAT, "model_config": model_config, "tokenizer": tok.to_dict(), "trained": trained}
+    _write_json(os.path.join(out_dir, SIDECAR), sidecar)
+    return sidecar
+
+
+def read_hf_export(directory: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """(model_config for GPTConfig, the model's state dict, the tokenizer's state for
+    tokenizer.from_dict, the 'trained' metadata) of a directory `export --hf` wrote (local or
+    an fsspec URL). The weights are model.safetensors' (also after transformers saved the
+    directory again); config.json must still have the sidecar's shape."""
+    try:
+        from safetensors.torch import load as load_safetensors
+    except ImportError:
+        raise ConfigError("reading an --hf export needs safetensors: pip install safetensors") from None
+    fs, path = storage.filesystem(directory)
+    where = storage.redact(directory)
+
+    def read(name: str) -> bytes:
+        try:
+            with fs.open(f"{path.rstrip('/')}/{name}", "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise ConfigError(f"{where} has no {name}: not a directory that python -m mingpt_ddp.export --hf "
+                              "wrote") from None
+
+    try:
+        sidecar = json.loads(read(SIDECAR))
+        config = json.loads(read("config.json"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: unreadable JSON ({exc}): export it again") from None
+    if not isinstance(sidecar, dict) or sidecar.get("format") != HF_FORMAT:
+        raise ConfigError(f"{where}/{SIDECAR} is not format {HF_FORMAT!r}: export it again with this version")
+    model_config = sidecar["model_config"]
+    shape = hf_gpt2.model_config_from_hf(config, f"{where}/config.json")
+    ours = {"gelu": "exact", **model_config}
+    differ = sorted(k for k in shape if ours.get(k) != shape[k])
+    if differ:
+        raise ConfigError(f"{where}/config.json no longer matches {SIDECAR} ({', '.join(differ)}): export it again")
+    state = hf_gpt2.from_hf(load_safetensors(read("model.safetensors")), model_config["n_layer"])
+    return model_config, state, sidecar["tokenizer"], sidecar["trained"]
+
+
 def cli(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     flags = [a for a in argv if a.startswith("--")]
     positional = [a for a in argv if not a.startswith("--")]
-    if len(positional) != 2 or set(flags) - {"--safetensors", "--accept-failed-check"}:
+    if len(positional) != 2 or set(flags) - {"--safetensors", "--accept-failed-check", "--hf"}:
         print(USAGE, file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     try:
         meta = export(positional[0], positional[1], safetensors="--safetensors" in flags,
-                      accept_failed_check="--accept-failed-check" in flags)
+                      accept_failed_check="--accept-failed-check" in flags, hf="--hf" in flags)
     except ConfigError as exc:
         print(f"error: {storage.redact(str(exc))}", file=sys.stderr)
         raise SystemExit(ConfigError.exit_code)
     trained = meta["trained"]
     if trained["failed_check"]:
-        print("warning: exported although it failed the end-of-run check (--accept-failed-check); config.json "
-              "records it", file=sys.stderr)
+        print("warning: exported although it failed the end-of-run check (--accept-failed-check); "
+              f"{SIDECAR if '--hf' in flags else 'config.json'} records it", file=sys.stderr)
     print(f"exported step {trained['step']} (val_loss {trained['val_loss']}) from {trained['source']} to {positional[1]}")
 
 
