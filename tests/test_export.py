@@ -73,7 +73,8 @@ def test_an_exported_model_loads_with_plain_pytorch_and_gives_the_snapshots_logi
 def test_a_run_exported_with_hf_continues_a_prompt_in_transformers_with_the_sample_tools_greedy_tokens(
         tmp_path, trained_run, capsys):
     """issue 33's check: AutoModelForCausalLM's greedy generate, our GPT.generate at temperature
-    0 and `python -m mingpt_ddp.sample ... temperature=0` (its cli, in process) agree."""
+    0, `python -m mingpt_ddp.sample ... temperature=0` (its cli, in process) and the docs'
+    example agree."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     from mingpt_ddp.corpus import tokenizer
@@ -85,7 +86,7 @@ def test_a_run_exported_with_hf_continues_a_prompt_in_transformers_with_the_samp
     assert "exported step 10" in capsys.readouterr().out
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
     their_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    prompt, new = "ROMEO:", 26  # 32 positions in all: transformers does not crop the context
+    prompt, new = "ROMEO:", 20  # as the docs' example; transformers does not crop: at most 32 positions
     ids = their_tokenizer(prompt, return_tensors="pt").input_ids
     generated = theirs.generate(ids, max_new_tokens=new, do_sample=False)[0].tolist()
 
@@ -96,7 +97,10 @@ def test_a_run_exported_with_hf_continues_a_prompt_in_transformers_with_the_samp
                                  temperature=0)[0].tolist()
     assert generated == ours and len(ours) == len(prompt) + new
     sample.cli([str(trained_run), f"prompt={prompt}", f"max_new_tokens={new}", "temperature=0"])
-    assert capsys.readouterr().out == their_tokenizer.decode(generated) + "\n"
+    printed = capsys.readouterr().out
+    assert printed == their_tokenizer.decode(generated) + "\n"
+    exec(docs_snippet("Export to transformers (`--hf`)").replace('"exported-hf"', repr(str(out))), {})
+    assert capsys.readouterr().out == printed  # the docs' example prints the sample tool's text
 
 
 @pytest.mark.cli

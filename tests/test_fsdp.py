@@ -61,6 +61,17 @@ def test_fsdp_matches_ddp_ties_the_head_and_samples_from_its_run_dir(tmp_path, s
     weights = torch.load(tmp_path / "export" / "weights.pt", weights_only=True)
     assert torch.equal(weights["wte.weight"], state["wte.weight"])
     assert json.loads((tmp_path / "export" / "config.json").read_text())["trained"]["step"] == 20
+    transformers = pytest.importorskip("transformers")
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.tools.export import export
+
+    export(str(fsdp), str(tmp_path / "hf"), hf=True)  # the two ranks' shards, merged, in GPT-2's layout
+    ours = GPT(GPTConfig(**meta["model_config"]))
+    ours.load_state_dict(state)
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, ours.cfg.block_size))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")(ids).logits
+        assert (ours.eval()(ids)[0] - theirs).abs().max().item() <= 1e-4
 
 
 @pytest.mark.dist
