@@ -97,6 +97,9 @@ class ModelConfig:
     dropout: float = 0.1
     # exact | tanh (GPT-2's approximation; weights trained with it need it)
     gelu: Gelu = Gelu.exact
+    # A transformers GPT-2 checkpoint directory to start from (checkpoint/pretrained.py): its
+    # config.json decides the shape and gelu, its weights the starting values; null: random.
+    init_from: Optional[str] = None
 
 
 @dataclass

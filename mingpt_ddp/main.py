@@ -105,11 +105,11 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from mingpt_ddp import config, distributed, loggers, parallel, precision, preemption, profiling, time_budget
-from mingpt_ddp.checkpoint import run_dir as run_dir_check, storage
+from mingpt_ddp.checkpoint import pretrained, run_dir as run_dir_check, storage
 from mingpt_ddp.tools import cluster, sample
 from mingpt_ddp.char_dataset import Vocabulary
 from mingpt_ddp.corpus import identity as corpus_identity
@@ -272,8 +272,8 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
             f"(its state does not carry over): set optimizer.name={saved_optimizer} to resume it, or use a new "
             "hydra.run.dir / trainer.snapshot_path to start over with another optimizer"
         )
-    saved = snapshot["model_config"]
-    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+    saved = {"gelu": "exact", **snapshot["model_config"]}  # snapshots from before model.gelu: exact, as trained
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "gelu"):
         if saved[key] != getattr(model_cfg, key):
             prefix = "data" if key == "block_size" else "model"
             raise ConfigError(
@@ -292,6 +292,11 @@ def check_compatible(snapshot: dict[str, Any], where: str, model_cfg: GPTConfig,
 
 def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> "Outcome":
     """One run (or one sweep point): how it ended."""
+    # model.init_from: the checkpoint's shape into cfg.model, so the checks, the snapshots and
+    # a resume's comparisons see what trains (read on rank 0, the same on every rank)
+    settled = distributed.on_main_then_share(lambda: _settle_init_from(cfg), dist)
+    if settled is not None:
+        _settle_init_from(cfg, settled)
     config.validate(cfg)
     loggers.check(cfg)  # the trackers asked for are installed (the schema itself knows no tracker)
     snapshot_options = storage.resolve_options(cfg.trainer.storage_options, "trainer.storage_options")
@@ -323,6 +328,21 @@ def train(cfg: DictConfig, dist: DistEnv, run_dir: str) -> "Outcome":
         lock.release()
 
 
+def _settle_init_from(cfg: DictConfig, shape: Optional[dict[str, Any]] = None) -> Optional[dict[str, Any]]:
+    """Rank 0 (`shape` None): pretrained.settle_config against this command line's overrides;
+    returns the model.* values it wrote (None without model.init_from). Every rank: writes them."""
+    if shape is not None:
+        with open_dict(cfg):
+            cfg.model.update(shape)
+        return shape
+    overrides = HydraConfig.get().overrides.task if HydraConfig.initialized() else []
+    note = pretrained.settle_config(cfg, overrides)
+    if note is None:
+        return None
+    log.info(note)
+    return {key: getattr(cfg.model[key], "value", cfg.model[key]) for key in pretrained.SHAPE}
+
+
 def fsdp_continues_ddp_snapshots(cfg: DictConfig, store: SnapshotStore, options: dict[str, Any]) -> bool:
     """Whether an FSDP run starts from DDP snapshot files (True: each rank takes its shard of
     them; its own snapshots are sharded from then on). An FSDP run's shards are not resumed
@@ -352,6 +372,7 @@ class RunData(NamedTuple):
     vocab: Any
     model_cfg: GPTConfig
     identity: dict[str, Any]
+    start: Optional[pretrained.Start] = None  # model.init_from's weights (checkpoint/pretrained.py)
 
 
 class Outcome(NamedTuple):
@@ -377,6 +398,7 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
     if found is not None:
         # Checked even for a finished run: another model or text under the same snapshot
         # path is a mistake to report, not a run to skip.
+        check_same_start(cfg, dist, found, data.start)
         optimizer = getattr(cfg.optimizer.name, "value", cfg.optimizer.name)
         on_every_rank(lambda: check_compatible(found.snapshot, found.where, data.model_cfg, data.corpus.vocab,
                                                optimizer), dist)
@@ -394,6 +416,24 @@ def _resume_or_start(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to,
                                              threads=_encode_threads(cfg, dist))
             data = data._replace(corpus=corpus_now, tokenizer=tok)
     return run_training(cfg, dist, run_dir, saves_to, ddp_files, lock, found, data, resume)
+
+
+def check_same_start(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot, start: Optional[pretrained.Start]) -> None:
+    """A resume starts from its snapshot, never from model.init_from's weights; these must
+    still be the ones its run started from (or none, as then): refused in one line, unless
+    trainer.continue_with_new_settings=true (then logged)."""
+    changed = pretrained.start_changed(found.snapshot.get("init_from"), start.identity if start else None)
+    if changed is None:
+        return
+    if not cfg.trainer.continue_with_new_settings:
+        raise ConfigError(
+            f"snapshot {found.where} was trained from other starting weights than this config's ({changed}): give "
+            "the model.init_from it started from to resume it, set trainer.continue_with_new_settings=true to resume "
+            "it anyway (from the snapshot's weights), or start a new run (another hydra.run.dir / "
+            "trainer.snapshot_path)")
+    if dist.is_main:
+        log.warning("snapshot %s: %s; resumed from the snapshot's weights (trainer.continue_with_new_settings=true)",
+                    found.where, changed)
 
 
 class ResumeCheck(NamedTuple):
@@ -456,11 +496,13 @@ def build_data(cfg: DictConfig, dist: DistEnv, found: Optional[AgreedSnapshot]) 
     vocab = corpus.vocab
     if found is not None and saved_tokenizer is None:
         vocab = Vocabulary(found.snapshot["vocab"])
-    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size,
-                          **OmegaConf.to_container(cfg.model, enum_to_str=True))
+    shape = {k: v for k, v in OmegaConf.to_container(cfg.model, enum_to_str=True).items() if k != "init_from"}
+    model_cfg = GPTConfig(vocab_size=vocab.size, block_size=cfg.data.block_size, **shape)
     shown = storage.redacted_config(OmegaConf.to_container(cfg.data, resolve=True, enum_to_str=True))
     identity = corpus_identity.identity(token_file.text_sha256, len(corpus.train_tokens), len(corpus.val_tokens), shown)
-    return RunData(corpus, tok, vocab, model_cfg, identity)
+    # A resume never reads the starting weights again (it loads its snapshot): their hash only.
+    start = pretrained.read(cfg.model.init_from, dist, model_cfg, fresh=found is None) if cfg.model.init_from else None
+    return RunData(corpus, tok, vocab, model_cfg, identity, start)
 
 
 def finished_earlier(cfg: DictConfig, dist: DistEnv, found: AgreedSnapshot,
@@ -546,6 +588,8 @@ def settings_changed(saved: Any, cfg: DictConfig, finished: bool = False,
         return value in (before.get(key), now.get(key))
 
     def compared(key: str) -> bool:
+        if key == "model.init_from":  # by the weights' hash, not the path (check_same_start)
+            return False
         if key.startswith("optimizer.muon_"):
             return either("optimizer.name", "muon")
         if key == "data.tokenizer_train_chars":
@@ -592,7 +636,10 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                  resume: Optional[ResumeCheck] = None) -> Outcome:
     """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-    model = parallel.build_model(cfg.trainer, data.model_cfg)  # under FSDP: on the meta device, shards filled in later
+    weights = data.start.weights if data.start is not None else None  # model.init_from on a fresh start
+    data = data._replace(start=data.start and data.start._replace(weights=None))  # kept only by the model until filled in
+    model = parallel.build_model(cfg.trainer, data.model_cfg, weights)  # FSDP: on the meta device, shards filled later
+    del weights
     profiling.mark("model built")
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
     vocab, tok = data.vocab, data.tokenizer
@@ -601,6 +648,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         "tokenizer": tok.to_dict(),  # what sample, export and a resume decode and encode with
         "model_config": dict(vars(data.model_cfg)),
         "corpus": data.identity,  # what it trains on: a resume on other text is refused (corpus/identity.py)
+        "init_from": data.start.identity if data.start else None,  # its starting weights (checkpoint/pretrained.py)
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank

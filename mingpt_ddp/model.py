@@ -105,6 +105,9 @@ class GPT(nn.Module):
         # before anything else draws: the seed of every initial value, wherever and whenever
         # they are filled in (init_weights).
         self.init_seed = int(torch.randint(0, 2**62, (), device="cpu"))
+        # Starting values by parameter name (weights from elsewhere: model.init_from) that
+        # init_weights writes instead of drawing; used once, then dropped.
+        self.init_values: Optional[dict[str, torch.Tensor]] = None
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -123,13 +126,17 @@ class GPT(nn.Module):
         Each parameter is drawn whole on the CPU, in a fixed order, from a generator seeded by
         `init_seed`: a model built on the meta device and sharded first (FSDP) gets the same
         values as one built whole. `fill(parameter, value)` writes one (default: copy_).
+        With `init_values` set, those are written instead of drawn.
         """
         self.lm_head.weight = self.wte.weight  # still tied (Module.to_empty from the meta device unties them)
         generator = torch.Generator().manual_seed(self.init_seed)
         modules = dict(self.named_modules())
+        given, self.init_values = self.init_values, None
         for name, p in self.named_parameters():  # the tied head once, as wte.weight
             value = torch.empty(p.shape, device="cpu")
-            if isinstance(modules[name.rpartition(".")[0]], nn.LayerNorm):
+            if given is not None:
+                value = given[name]
+            elif isinstance(modules[name.rpartition(".")[0]], nn.LayerNorm):
                 value.fill_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
                 value.zero_()

@@ -45,14 +45,22 @@ def strategy_name(cfg: TrainerConfig) -> str:
     return getattr(value, "value", value)
 
 
-def build_model(cfg: TrainerConfig, model_cfg: GPTConfig) -> GPT:
+def build_model(cfg: TrainerConfig, model_cfg: GPTConfig,
+                weights: Optional[dict[str, torch.Tensor]] = None) -> GPT:
     """The model for the Trainer, from the global generator's state (seed it first). Under
     FSDP it is built on the meta device, shapes only: each rank fills in its own shards after
     sharding (the same values as the whole model built on the CPU), so the whole model is
-    never in any one device's memory."""
-    if strategy_name(cfg) == "fsdp":
+    never in any one device's memory. `weights` (this model's names, whole tensors on the
+    CPU: model.init_from) replace the random initial values: under DDP written into the
+    whole model here, under FSDP into each rank's shards where they are filled in."""
+    if strategy_name(cfg) == "fsdp" or weights is not None:
         with torch.device("meta"):
-            return GPT(model_cfg)
+            model = GPT(model_cfg)
+        model.init_values = weights
+        if strategy_name(cfg) != "fsdp":  # DDP: the whole model, filled in now (no random draws to overwrite)
+            model.to_empty(device="cpu")
+            model.init_weights()
+        return model
     return GPT(model_cfg)
 
 

@@ -8,7 +8,8 @@ The scenarios run one after the other in one process group (one launch, seconds 
 test); each writes <out_dir>/<scenario>[-<arg>].json (rank 0: a list of every rank's
 observations), on which the tests assert. Scenarios:
     init                 under FSDP the model is built on the meta device; each rank's filled-in
-                         shards against the whole model built on the CPU from the same seed
+                         shards against the whole model built on the CPU from the same seed,
+                         and against given starting weights (model.init_from)
     compiled:<strategy>  trainer.compile=true (a counting aot_eager backend) against eager:
                          losses, which graphs were compiled, and how often each ran
     collectives          fp16 under FSDP: an inf on one rank only; the collectives of unscale_
@@ -75,7 +76,16 @@ def init(dist, out_dir):
     reference = whole.state_dict()
     mismatched = [name for name, p in strategy.model.state_dict().items()
                   if not torch.equal(p.full_tensor().cpu(), reference[name])]
-    return {"built_on_meta": built_on_meta, "mismatched": mismatched,
+    # model.init_from's starting weights (whole, on every rank's CPU) go into each rank's shards
+    generator = torch.Generator().manual_seed(11)
+    given = {name: torch.randn(t.shape, generator=generator) for name, t in reference.items() if name != "lm_head.weight"}
+    given["lm_head.weight"] = given["wte.weight"]
+    started = parallel.make_strategy(cfg, dist, parallel.build_model(cfg, gpt_cfg, given),
+                                     PrecisionPlan("fp32", dist.device.type))
+    started_mismatched = [name for name, p in started.model.state_dict().items()
+                          if not torch.equal(p.full_tensor().cpu(), given[name])]
+    return {"built_on_meta": built_on_meta, "mismatched": mismatched, "init_from_mismatched": started_mismatched,
+            "init_from_tied": started.model.lm_head.weight is started.model.wte.weight,
             "tied": strategy.model.lm_head.weight is strategy.model.wte.weight,
             "sharded": all(is_sharded(p) for p in strategy.model.parameters()),
             "local_elements": sum(p.to_local().numel() for p in strategy.model.parameters()),

@@ -34,6 +34,7 @@ def test_fsdp_builds_on_the_meta_device_and_each_rank_fills_in_the_ddp_weights_o
     for rank in observations(observed, "init"):
         assert rank["built_on_meta"] and rank["sharded"] and rank["tied"], rank
         assert rank["mismatched"] == [], rank  # bit for bit the weights DDP starts from (same seed)
+        assert rank["init_from_mismatched"] == [] and rank["init_from_tied"], rank  # model.init_from's, in the shards
         assert 0.45 * rank["elements"] < rank["local_elements"] < 0.55 * rank["elements"], rank
 
 

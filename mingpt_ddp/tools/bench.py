@@ -146,8 +146,9 @@ def build_trainer(cfg, dist, saver=None):
     from mingpt_ddp.trainer import Trainer, seed_everything
 
     corpus, _, tok = load_corpus(cfg.data, dist, cfg.trainer.load_retry_minutes, threads=encode_threads(cfg, dist))
-    model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,
-                          **OmegaConf.to_container(cfg.model, enum_to_str=True))
+    model_cfg = GPTConfig(vocab_size=tok.size, block_size=cfg.data.block_size,  # random weights (no init_from)
+                          **{k: v for k, v in OmegaConf.to_container(cfg.model, enum_to_str=True).items()
+                             if k != "init_from"})
     seed_everything(cfg.trainer.seed)
     model = parallel.build_model(cfg.trainer, model_cfg)
     seed_everything(cfg.trainer.seed + dist.rank)
