@@ -1,7 +1,6 @@
 """Fine-tuning from GPT-2-format weights (model.init_from, checkpoint/pretrained.py): a tiny GPT-2
 with random weights saved by transformers itself (GPT2Config, save_pretrained) stands in for
 downloaded weights; GPT-2's BPE comes offline as in test_tokenizer.py."""
-import inspect
 import os
 import shutil
 import signal
@@ -221,8 +220,6 @@ def test_fine_tune_killed_resumes_bit_identically_and_exports_back_to_the_same_w
     assert "the weights at model.init_from changed" in refused.stderr and "Traceback" not in output(refused)
 
     from mingpt_ddp.tools.export import export
-    if "hf" not in inspect.signature(export).parameters:
-        pytest.skip("needs i33-a: export(src, out, hf=True) is not on this branch yet")
     out = tmp_path / "hf"
     export(str(run_dir), str(out), hf=True)
     from safetensors.torch import load_file
