@@ -222,7 +222,7 @@ def last_line(log: Path) -> str:
 
 def parameters(run_dir: Path) -> tuple[dict[str, Any], int]:
     """(the model's parameters, step) of a run's newest snapshot (a DDP file or FSDP's shards merged)."""
-    from mingpt_ddp.tools.sample import load_latest
+    from mingpt_ddp.tools.trained import load_latest
 
     found_ = load_latest(str(run_dir))
     if found_ is None:

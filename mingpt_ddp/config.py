@@ -318,10 +318,13 @@ def override_error(exc: BaseException, overrides: list[str]) -> ConfigError:
     if isinstance(cause, OmegaConfBaseException) and str(cause).strip():
         parts.insert(1, str(cause).strip().splitlines()[0].rstrip("."))
     unknown = re.match(r"Could not override '([^']+)'", parts[0] if parts else "")
-    near = closest_key(unknown[1].lstrip("+~")) if unknown and "not in" in " ".join(parts) \
-        and ".storage_options." not in unknown[1] else None
+    near = closest_keys(unknown[1].lstrip("+~")) if unknown and "not in" in " ".join(parts) \
+        and ".storage_options." not in unknown[1] else []
+    preset = re.search(r"Could not find '([\w-]+)/([^']+)'.*?Available options in '\1': ([^;]+)", "; ".join(parts))
+    if preset:  # a mistyped preset (model=gpt-mni): the group's nearest options
+        near = [f"{preset[1]}={o}" for o in closest(preset[2], [o.strip() for o in preset[3].split(",")])]
     if near:
-        parts.append(f"did you mean {near}?")
+        parts.append(f"did you mean {either(near)}?")
     return ConfigError(f"{_without_secrets('; '.join(parts), overrides)} (see docs/configuration.md for the keys "
                        "and their types)")
 
@@ -347,6 +350,21 @@ class BadOverrides(BaseException):
     def __init__(self, error: ConfigError):
         super().__init__(str(error))
         self.error = error
+
+
+MAIN_USAGE = ("usage: python mingpt_ddp/main.py [--multirun] [key=value ...]; --help lists the config groups and keys, "
+              "--hydra-help Hydra's options")
+
+
+def check_options(argv: list[str]) -> None:
+    """An option Hydra's parser does not know (`--foo`) is the one line naming the usage
+    (BadOverrides), not argparse's usage block and a second line."""
+    from hydra._internal.utils import get_args_parser
+
+    _, unknown = get_args_parser().parse_known_args(argv)
+    flags = [a for a in unknown if a.startswith("-")]
+    if flags:
+        raise BadOverrides(ConfigError(f"unknown option {flags[0]} ({MAIN_USAGE})"))
 
 
 @contextlib.contextmanager
@@ -478,12 +496,30 @@ def _field_default(f: "dataclasses.Field") -> Any:
     return f.default
 
 
-def closest_key(key: str) -> Optional[str]:
-    """The schema key most like `key` (a typo's fix), or None."""
+def closest(word: str, candidates: list[str]) -> list[str]:
+    """The candidates most like `word` (a typo's fixes; difflib), best first: the best one and
+    any others nearly as close, at most 3."""
     import difflib
 
-    found = difflib.get_close_matches(key, schema_keys(), n=1, cutoff=0.6)
-    return found[0] if found else None
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates), reverse=True)
+    return [c for score, c in scored[:3] if score >= 0.6 and score >= scored[0][0] - 0.1]
+
+
+def closest_keys(key: str) -> list[str]:
+    """The schema keys most like `key`: among its siblings where its parent is a key
+    (trainer.bath_size: trainer.*), else among the top-level keys or, under a mistyped
+    parent, all of them."""
+    keys = schema_keys()
+    parent, _, leaf = key.rpartition(".")
+    if parent in keys or not parent:
+        siblings = {k.rpartition(".")[2]: k for k in keys if k.rpartition(".")[0] == parent}
+        return [siblings[name] for name in closest(leaf, list(siblings))]
+    return closest(key, keys)
+
+
+def either(options: list[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
 
 
 def check_known_keys(node: Any, prefix: str = "") -> None:
@@ -499,8 +535,8 @@ def check_known_keys(node: Any, prefix: str = "") -> None:
     for name in node.keys():
         key = f"{prefix}{name}"
         if name not in fields:
-            near = closest_key(key)
-            raise ConfigError(f"{key} is not a config key{f' (did you mean {near}?)' if near else ''}: remove "
+            near = closest_keys(key)
+            raise ConfigError(f"{key} is not a config key{f' (did you mean {either(near)}?)' if near else ''}: remove "
                               "it (see docs/configuration.md for the keys)")
         check_known_keys(node._get_node(name), f"{key}.")
 

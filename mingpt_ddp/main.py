@@ -697,7 +697,8 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
             if dist.is_main:
                 metrics.note(sample.preview_line())
             # the same text on every rank (same seed; where they sample together rank 0's clock bounds it)
-            preview = sample.preview(model, tok, run_dir, together=trainer.strategy.collective_forward)
+            preview = sample.preview(model, tok, run_dir, together=trainer.strategy.collective_forward,
+                                     prompt=sample.corpus_prompt(tok, data.corpus.val_tokens))
             if dist.is_main:
                 metrics.note(preview)
             profiling.mark("closing sample")
@@ -861,6 +862,8 @@ def main(cfg: DictConfig) -> Optional[float]:
             errors.record(exc, error)
         run_dir_check.restore_hydra_files(HydraConfig.get().runtime.output_dir)  # unless it began training
         _report_error(error)
+        if not in_sweep:  # refused at start: no empty outputs/<run id>/ left behind (rank 0, what this launch made)
+            run_dir_check.remove_if_refused(HydraConfig.get().runtime.output_dir, HydraConfig.get().output_subdir)
         if ends_here:
             sys.exit(exc.exit_code)
         status, val_loss, snapshot, corpus = "failed", None, None, None
@@ -919,6 +922,7 @@ def run() -> None:
     # overrides: [...]" (every override as typed) included, is redacted.
     storage.redact_output()
     try:
+        config.check_options(sys.argv[1:])
         with config.hydra_errors_in_one_line(main, sys.argv[1:]):
             try:
                 main()

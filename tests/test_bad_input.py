@@ -32,6 +32,31 @@ def base(run_dir, corpus):
 def test_missing_data_file_without_download(run_dir, tmp_path):
     text = expect_error(base(run_dir, tmp_path / "nope.txt") + ["data.download_url=null"], "data file not found")
     assert "data.path" in text
+    assert not run_dir.exists()  # refused at start: the run directory it made (Hydra's files only) is gone
+
+
+@pytest.mark.unit
+def test_a_refused_run_takes_away_only_a_run_directory_it_made(tmp_path, monkeypatch):
+    """Never a directory that was there before, nor one with more than Hydra's files."""
+    from mingpt_ddp.checkpoint import run_dir as run_dir_check
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+
+    def hydra_wrote(path, *extra):
+        (path / ".hydra").mkdir(parents=True)
+        for name in (*run_dir_check.HYDRA_FILES, "../main.log", *extra):
+            (path / ".hydra" / name).write_text("x")
+
+    mine, theirs, busy = tmp_path / "outputs" / "new", tmp_path / "theirs", tmp_path / "busy"
+    theirs.mkdir()
+    for path in (mine, theirs, busy):
+        run_dir_check.note_if_new(str(path), named=True)
+    for path in (mine, theirs):
+        hydra_wrote(path)
+    hydra_wrote(busy, "../metrics.jsonl")
+    assert [run_dir_check.remove_if_refused(str(p), ".hydra") for p in (mine, theirs, busy)] == [True, False, False]
+    assert not (tmp_path / "outputs").exists() and (theirs / "main.log").exists() and busy.exists()
 
 
 @pytest.mark.cli

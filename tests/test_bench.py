@@ -301,4 +301,4 @@ def test_a_ddp_run_imports_no_dcp_and_still_runs_its_atexit_handlers(tmp_path, s
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert report.read_text() == "[]"
-    assert "sample more: python -m mingpt_ddp.sample" in proc.stdout + proc.stderr
+    assert " -m mingpt_ddp.sample " in (proc.stdout + proc.stderr).split("sample more: ")[1]

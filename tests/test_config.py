@@ -59,6 +59,25 @@ def test_a_key_added_outside_the_schema_is_refused_naming_the_closest_key():
 
 
 @pytest.mark.unit
+def test_a_mistyped_key_or_preset_is_one_line_naming_the_closest_valid_ones():
+    """A typo in a key or a preset: the one line names the nearest of its siblings or of the
+    group's options (a preset's typo named none; `+trainer.foo` suggested `trainer`)."""
+    from mingpt_ddp.errors import ConfigError
+
+    for override, hint in (("trainer.bath_size=8", "did you mean trainer.batch_size?"),
+                           ("trainer.max_epoch=3", "did you mean trainer.max_epochs?"),
+                           ("model=gpt-mni", "did you mean model=gpt-mini?"),
+                           ("experiment=shakespeare", "did you mean experiment=shakespeare_char_cpu?")):
+        with pytest.raises(ConfigError) as err:
+            config.compose([override])
+        assert hint in str(err.value) and "\n" not in str(err.value), err.value
+    with pytest.raises(ConfigError) as err:
+        config.validate(composed("+trainer.foo=1"))
+    assert "did you mean" not in str(err.value), err.value
+    assert config.closest_keys("trainer.eval_evry") == ["trainer.eval_every"]
+
+
+@pytest.mark.unit
 def test_ddp_tutorial_experiment():
     cfg = composed("experiment=ddp_tutorial")
     assert (cfg.model.n_layer, cfg.model.n_head, cfg.model.n_embd) == (8, 8, 512)

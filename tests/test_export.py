@@ -177,3 +177,29 @@ def test_a_snapshot_that_failed_the_end_of_run_check_is_exported_only_on_request
     export.cli([str(snapshot), str(out), "--accept-failed-check"])
     assert "failed the end-of-run check" in capsys.readouterr().err
     assert json.loads((out / "config.json").read_text())["trained"]["failed_check"] == FAILED_CHECK
+
+
+@pytest.mark.unit
+def test_sample_reads_an_export_directory_as_it_reads_the_snapshot(tmp_path, capsys):
+    """`python -m mingpt_ddp.sample <export dir>`: the model and tokenizer from weights.pt and
+    config.json, or from an --hf directory's model.safetensors and sidecar (it said "no
+    snapshot at <dir>")."""
+    from dataclasses import asdict
+
+    from mingpt_ddp.checkpoint.snapshot import encode
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.tools import export, sample
+    from mingpt_ddp.trainer import TrainState
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    snapshot = tmp_path / "snapshot.pt"
+    snapshot.write_bytes(encode({"model": GPT(cfg).state_dict(), "model_config": asdict(cfg), "vocab": "\nabcd",
+                                 "train_state": asdict(TrainState(step=3))}, 3))
+    export.export(str(snapshot), str(tmp_path / "out"))
+    export.export(str(snapshot), str(tmp_path / "hf"), hf=True)  # transformers' layout, with its sidecar
+    texts = []
+    for target in (snapshot, tmp_path / "out", tmp_path / "hf"):
+        sample.cli([str(target), "prompt=ab", "max_new_tokens=30", "temperature=0"])
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] == texts[2] and len(texts[0]) == 33, texts

@@ -4,6 +4,7 @@ that end a run."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -284,10 +285,18 @@ def test_a_finished_run_ends_with_a_sample_and_the_command_for_more(tmp_path, sm
     sample = out.split("a sample of what the model writes now:\n")[1]
     lines = sample.splitlines()
     assert lines[0].startswith("    ") and len(lines[0].strip()) > 0
-    assert f"sample more: python -m mingpt_ddp.sample {run_dir}" in out
     vocab = set(small_corpus.read_text(encoding="utf-8"))
     shown = [line[4:] for line in lines if line.startswith("    ")]
     assert set("".join(shown)) <= vocab
+    # the command works when pasted: this interpreter (the quick start never activates the venv),
+    # the run directory, a prompt from the corpus (not "ROMEO:" whatever the text)
+    command = shlex.split(out.split("sample more: ", 1)[1].splitlines()[0])
+    assert command[:4] == [PYTHON, "-m", "mingpt_ddp.sample", "run"], command
+    prompt = command[4].removeprefix("prompt=")
+    assert prompt and prompt in small_corpus.read_text(encoding="utf-8"), command
+    sampled = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert sampled.returncode == 0 and sampled.stdout.startswith(prompt), sampled.stderr
 
 
 @pytest.mark.dist

@@ -1,5 +1,7 @@
 """Sampling options: bad values are one clear error, temperature 0 is greedy."""
+import shlex
 import subprocess
+import sys
 
 import pytest
 
@@ -71,13 +73,32 @@ def test_the_closing_sample_is_bounded_in_time_and_says_so(tmp_path):
     threads = torch.get_num_threads()
     cut = sample.preview(model, tok, str(tmp_path), tokens=240, seconds=0)
     assert "a sample of what the model writes now:\n" in cut
-    assert "sampling stopped after 0 s, at 1 of 240 tokens; sample more: python -m mingpt_ddp.sample" in cut
+    assert "sampling stopped after 0 s, at 1 of 240 tokens; sample more: " in cut and " -m mingpt_ddp.sample " in cut
     whole = sample.preview(model, tok, str(tmp_path), tokens=40, seconds=None, lines=100)
     assert "sampling stopped" not in whole and torch.get_num_threads() == threads
     start = torch.from_numpy(tok.encode("\n").astype("int64"))[None]
     once = model.generate(start, 40, temperature=0.8, generator=torch.Generator().manual_seed(0))
     assert whole.split(":\n", 1)[1].split("\nsample more")[0] == "\n".join(
         "    " + line for line in tok.decode(once[0, 1:].tolist()).strip("\n").splitlines())
+
+
+@pytest.mark.unit
+def test_the_closing_command_names_this_interpreter_a_corpus_prompt_and_pastes_whole(tmp_path, monkeypatch):
+    """The hint said `python -m mingpt_ddp.sample <dir> prompt="ROMEO:"`: no such `python` where
+    the venv is not activated (the quick start's), and ROMEO: for any corpus."""
+    from mingpt_ddp.char_dataset import Vocabulary
+    from mingpt_ddp.corpus.tokenizer import CharTokenizer
+    from mingpt_ddp.tools import sample
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    prompt = "O'er the $HOME; `ls` \\"
+    assert shlex.split(sample.sample_command(str(tmp_path / "outputs" / "a b"), prompt)) == [
+        ".venv/bin/python", "-m", "mingpt_ddp.sample", "outputs/a b", f"prompt={prompt}", "max_new_tokens=500"]
+    assert shlex.split(sample.sample_command("/elsewhere/run"))[3] == "/elsewhere/run"
+    text = "rt sys\n\ndef main(argv: list[str]) -> int:  # the entry point of it all\n    return 0\n"
+    tok = CharTokenizer(Vocabulary.from_text(text))
+    assert sample.corpus_prompt(tok, tok.encode(text)) == "def main(argv:"  # whole words, at most 24 characters
 
 
 TOGETHER = """

@@ -45,6 +45,18 @@ def test_ordinary_option_names(name):
     assert not storage.is_secret_name(name)
 
 
+@pytest.mark.unit
+def test_a_hugging_face_token_is_a_secret_like_the_aws_ones(monkeypatch):
+    """docs/data.md: hf:// paths take HF_TOKEN from the environment or a `token` storage
+    option from ${oc.env:HF_TOKEN}; a literal one is refused, the environment's is redacted."""
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdefghijklmnop")
+    cfg = cfg_with(data_options={"token": "hf_literal_token_value"})
+    cfg.data.path = "hf://datasets/someone/corpus/input.txt"
+    assert storage.literal_secrets(cfg) == [("data.storage_options.token", "hf_literal_token_value")]
+    assert storage.literal_secrets(cfg_with(data_options={"token": "${oc.env:HF_TOKEN}"})) == []
+    assert "hf_abcdefghijklmnop" not in storage.redact("401 for token hf_abcdefghijklmnop")
+
+
 def cfg_with(trainer_options=None, data_options=None, snapshot_path=None):
     return OmegaConf.create({
         "trainer": {"storage_options": trainer_options or {}, "snapshot_path": snapshot_path},

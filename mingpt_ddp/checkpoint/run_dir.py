@@ -189,6 +189,75 @@ def restore_hydra_files(run_dir: str) -> None:
             storage.write_local_atomically(path, lambda f, blob=blob: f.write(blob))
 
 
+# Run directories (absolute) this launch created, each with the highest of its parents it
+# created too (outputs/ on a first run): a refused run takes them away again.
+_made: dict[str, str] = {}
+LOG_FILE = "main.log"
+
+
+def _launch_started() -> Optional[float]:
+    """When torchrun's agent (this worker's parent) started, in epoch seconds (Linux), else None."""
+    try:
+        with open(f"/proc/{os.getppid()}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def note_if_new(run_dir: str, named: bool) -> None:
+    """Before anything writes there: whether this launch makes `run_dir`. Rank 0 knows when
+    it finds no directory; under torchrun another rank may have made it a moment earlier, so
+    Hydra's own run directory (not named on the command line: its name is this launch's run
+    id) counts as made by this launch when it changed after torchrun started. A directory
+    named on the command line counts only when rank 0 found none: a user's directory is
+    never taken away."""
+    root = os.path.abspath(run_dir)
+    if not os.path.exists(root):
+        top = root
+        while not os.path.exists(os.path.dirname(top)):
+            top = os.path.dirname(top)
+        _made[root] = top
+    elif not named and os.environ.get("TORCHELASTIC_RUN_ID"):
+        started = _launch_started()
+        if started is not None and os.stat(root).st_ctime >= started - 1:
+            _made[root] = root
+
+
+def remove_if_refused(run_dir: str, output_subdir: Optional[str]) -> bool:
+    """A run refused before it trained (a ConfigError at start): rank 0 takes away the run
+    directory this launch made, when it holds nothing but what Hydra wrote (`.hydra/`,
+    main.log) and its own lock, so that a typo leaves no empty outputs/<run id>/ behind.
+    Never a sweep's (the caller's test), never a directory that was there before. Whether it went."""
+    root = os.path.abspath(run_dir)
+    if _rank() != 0 or root not in _made:
+        return False
+    release_run_dir(root)
+    hydra_dir = os.path.join(root, output_subdir) if output_subdir else None
+    try:
+        if set(os.listdir(root)) - {LOG_FILE, output_subdir}:
+            return False
+        if hydra_dir and os.path.isdir(hydra_dir) and set(os.listdir(hydra_dir)) - set(HYDRA_FILES):
+            return False
+        for name in HYDRA_FILES:
+            if hydra_dir and os.path.exists(os.path.join(hydra_dir, name)):
+                os.unlink(os.path.join(hydra_dir, name))
+        if hydra_dir and os.path.isdir(hydra_dir):
+            os.rmdir(hydra_dir)
+        if os.path.exists(os.path.join(root, LOG_FILE)):
+            os.unlink(os.path.join(root, LOG_FILE))
+        os.rmdir(root)  # fails, leaving it, if anything appeared meanwhile
+        parent, top = root, _made.pop(root)
+        while parent != top and not os.listdir(os.path.dirname(parent)):  # outputs/, made for this run alone
+            parent = os.path.dirname(parent)
+            os.rmdir(parent)
+    except OSError:
+        return False
+    return True
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
@@ -213,6 +282,8 @@ class RunDirCheck(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         storage.redact_logs()
         try:
+            named = any(o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
+            note_if_new(str(config.hydra.run.dir), named)
             check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
             refuse_a_live_run(config)
             hold_run_dir(str(config.hydra.run.dir))

@@ -97,6 +97,8 @@ def filesystem(url: str, options: Optional[Mapping[str, Any]] = None):
                 else f"install the fsspec backend for {scheme}://")
         if scheme in ("http", "https"):
             hint = f"{sys.executable} -m pip install aiohttp (the http extra), which fsspec's HTTP filesystem needs"
+        if scheme == "hf":
+            hint = f"{sys.executable} -m pip install huggingface_hub (its HfFileSystem reads hf:// paths)"
         raise ConfigError(f"cannot open {redact(url)}: {exc}: {hint}") from None
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"cannot open {redact(url)} with the given storage_options: {redact(str(exc))}") from None
@@ -348,7 +350,7 @@ def fsync_dir(directory: str) -> None:
 # ---- secrets ------------------------------------------------------------------------------
 # Environment variables whose values are never shown: the AWS chain's and the trackers' secrets.
 _SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "MLFLOW_TRACKING_PASSWORD",
-               "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY")
+               "MLFLOW_TRACKING_TOKEN", "WANDB_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 # Environment variables holding URLs the run (or a library it calls) uses: their credentials are secrets.
 _URL_ENV = ("MLFLOW_TRACKING_URI", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "WANDB_BASE_URL",
             "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")

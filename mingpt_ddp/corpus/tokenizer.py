@@ -436,6 +436,26 @@ def from_dict(state: Mapping[str, Any], download: bool = False) -> Tokenizer:
     raise ConfigError(f"unknown tokenizer kind {kind!r} (a newer mingpt_ddp's?): expected one of {', '.join(KINDS)}")
 
 
+def from_export(directory: str, kind: str, file: Optional[str], chars: Optional[Iterable[str]] = None,
+                eot_id: Optional[int] = None) -> Tokenizer:
+    """The tokenizer an export wrote to `directory` (`save`'s file; characters are listed in its
+    config.json): it needs neither a snapshot nor tiktoken's cache."""
+    if kind == "char":
+        return CharTokenizer(Vocabulary("".join(chars or ())))
+    with open(os.path.join(directory, file or ""), "rb") as f:
+        data = f.read()
+    if kind == "bpe":
+        return BpeTokenizer(data.decode("utf-8"))
+    if kind == "gpt2":
+        import base64
+
+        tiktoken = require_tiktoken("an export with GPT-2's tokenizer")
+        ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in data.splitlines() if line)}
+        return Gpt2Tokenizer(tiktoken.Encoding("r50k_base", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
+                                               special_tokens={EOT: GPT2_VOCAB - 1 if eot_id is None else eot_id}))
+    raise ConfigError(f"unknown tokenizer kind {kind!r} (a newer mingpt_ddp's?): expected one of {', '.join(KINDS)}")
+
+
 def from_snapshot(snapshot: Mapping[str, Any], download: bool = False) -> Tokenizer:
     """The tokenizer a snapshot was trained with; snapshots from before tokenizers were
     configurable hold only their characters (`vocab`)."""

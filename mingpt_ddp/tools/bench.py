@@ -86,10 +86,12 @@ import torch.distributed as torch_dist
 from mingpt_ddp import config, distributed
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.errors import ConfigError, UserFacingError
+from mingpt_ddp.tools import usage
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu, mfu_record)
 
 MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed", "alloc")
+USAGE = f"usage: python -m mingpt_ddp.bench <{'|'.join(MODES)}> [key=value ...]"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
@@ -103,7 +105,7 @@ OPTIONS: dict[str, Any] = {
 def parse_args(argv: list[str]) -> tuple[str, dict[str, Any], list[str]]:
     """(mode, bench options, Hydra overrides) from `mode key=value ...`."""
     if not argv or argv[0] not in MODES:
-        raise ConfigError(f"usage: python -m mingpt_ddp.bench <{'|'.join(MODES)}> [key=value ...] (see --help)")
+        raise ConfigError(f"{USAGE} (see --help)")
     options, overrides = dict(OPTIONS), []
     for arg in argv[1:]:
         key, eq, value = arg.partition("=")
@@ -1343,10 +1345,9 @@ def _int_setting(text: str) -> Any:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help", "help"):
-        print(__doc__)
-        return 0
+    argv = ["--help"] if argv[:1] == ["help"] else argv
     try:
+        _, argv = usage.options(argv, __doc__, USAGE)
         mode, options, overrides = parse_args(argv)
         if mode == "comm":
             nccl_log_to_files()  # before NCCL starts

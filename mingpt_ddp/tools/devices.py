@@ -17,9 +17,21 @@ import sys
 import torch
 
 from mingpt_ddp import distributed
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.tools import usage
+
+
+USAGE = "usage: python -m mingpt_ddp.devices [NODE_GPUS]"
 
 
 def main(argv: list[str]) -> int:
+    try:
+        _, argv = usage.options(argv, __doc__, USAGE)
+        if len(argv) > 1 or (argv and not argv[0].isdigit()):
+            raise ConfigError(f"NODE_GPUS is one number of GPUs ({USAGE})")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code
     if torch.cuda.is_available():
         print(torch.cuda.device_count())
         return 0

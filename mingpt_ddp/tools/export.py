@@ -46,7 +46,8 @@ from mingpt_ddp import model as model_module
 from mingpt_ddp.checkpoint import hf_gpt2, storage
 from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
-from mingpt_ddp.tools.sample import failed_check, load_latest
+from mingpt_ddp.tools import usage
+from mingpt_ddp.tools.trained import Trained, failed_check, load_latest
 
 USAGE = ("usage: python -m mingpt_ddp.export <run dir | snapshot file | URL> <out dir> [--safetensors] "
          "[--accept-failed-check] [--hf]")
@@ -180,16 +181,50 @@ def read_hf_export(directory: str) -> tuple[dict[str, Any], dict[str, torch.Tens
         raise ConfigError(f"{where}/config.json no longer matches {SIDECAR} ({', '.join(differ)}): export it again")
     state = hf_gpt2.from_hf(load_safetensors(read("model.safetensors")), model_config["n_layer"])
     return model_config, state, sidecar["tokenizer"], sidecar["trained"]
+def read_export(directory: str) -> Optional[Trained]:
+    """An export directory read back (what `python -m mingpt_ddp.sample <dir>` samples from);
+    None when `directory` is not one (no config.json: a run directory, a snapshot file, a URL).
+    Each format export writes is read here, by what its config.json says."""
+    path = os.path.join(directory, "config.json")
+    if "://" in directory or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}): export the run again") from None
+    if isinstance(meta, dict) and meta.get("format") == FORMAT:
+        return _read_own(directory, meta)
+    if os.path.isfile(os.path.join(directory, SIDECAR)):  # an --hf directory: transformers' config.json
+        return _read_hf(directory)
+    raise ConfigError(f"{path} is not an export this version reads (its format: "
+                      f"{meta.get('format') if isinstance(meta, dict) else None!r}, expected {FORMAT!r})")
+
+
+def _read_own(directory: str, meta: dict[str, Any]) -> Trained:
+    """This package's own format (FORMAT): weights.pt, config.json and the tokenizer's file."""
+    spec = meta["tokenizer"]
+    tok = tokenizer.from_export(directory, spec["kind"], spec.get("file"), meta.get("vocab"), spec.get("eot_id"))
+    state = torch.load(os.path.join(directory, "weights.pt"), map_location="cpu", weights_only=True)
+    failed = (meta.get("trained") or {}).get("failed_check")
+    return Trained(meta["model_config"], state, tok, directory,
+                   str(failed.get("message") if isinstance(failed, dict) else failed) if failed else None)
+
+
+def _read_hf(directory: str) -> Trained:
+    """An --hf directory (read_hf_export), with its tokenizer rebuilt from the sidecar."""
+    model_config, state, tokenizer_state, trained = read_hf_export(directory)
+    failed = trained.get("failed_check")
+    return Trained(model_config, state, tokenizer.from_dict(tokenizer_state), directory,
+                   str(failed.get("message") if isinstance(failed, dict) else failed) if failed else None)
 
 
 def cli(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    flags = [a for a in argv if a.startswith("--")]
-    positional = [a for a in argv if not a.startswith("--")]
-    if len(positional) != 2 or set(flags) - {"--safetensors", "--accept-failed-check", "--hf"}:
-        print(USAGE, file=sys.stderr)
-        raise SystemExit(ConfigError.exit_code)
     try:
+        flags, positional = usage.options(argv, __doc__, USAGE, {"--safetensors", "--accept-failed-check", "--hf"})
+        if len(positional) != 2:
+            raise ConfigError(f"give a run directory, snapshot file or URL and an output directory ({USAGE})")
         meta = export(positional[0], positional[1], safetensors="--safetensors" in flags,
                       accept_failed_check="--accept-failed-check" in flags, hf="--hf" in flags)
     except ConfigError as exc:

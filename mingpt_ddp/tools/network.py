@@ -22,6 +22,9 @@ import socket
 import sys
 from typing import Optional
 
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.tools import usage
+
 
 def resolve(host: str) -> list[str]:
     """`host`'s addresses, IPv4 first; [] when it does not resolve."""
@@ -118,10 +121,17 @@ def describe(host: str) -> dict[str, str]:
     return {"local": "1" if is_local(host) else "0", "addr": addr, "iface": (interface_of(addr) or "") if addr else ""}
 
 
+USAGE = "usage: python -m mingpt_ddp.network HOST"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m mingpt_ddp.network HOST", file=sys.stderr)
-        return 2
+    try:
+        _, argv = usage.options(argv, __doc__, USAGE)
+        if len(argv) != 1:
+            raise ConfigError(f"give one host ({USAGE})")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return ConfigError.exit_code
     print(" ".join(f"{k}={v}" for k, v in describe(argv[0]).items()))
     return 0
 

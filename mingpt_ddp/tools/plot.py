@@ -12,7 +12,11 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+from mingpt_ddp.errors import ConfigError
+from mingpt_ddp.tools import usage
 from mingpt_ddp.tools.runs import distinguishing_overrides, read_metrics, sweep_points
+
+USAGE = "usage: python -m mingpt_ddp.plot <run dir | sweep dir> [out.png]"
 
 
 def runs_in(target: Path) -> list[Path]:
@@ -76,11 +80,14 @@ def plot_runs(target: Path, out: Optional[Path] = None) -> Path:
 
 def cli(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not 1 <= len(argv) <= 2:
-        print("usage: python -m mingpt_ddp.plot <run dir | sweep dir> [out.png]", file=sys.stderr)
-        raise SystemExit(2)
     try:
+        _, argv = usage.options(argv, __doc__, USAGE)
+        if not 1 <= len(argv) <= 2:
+            raise ConfigError(f"give a run or sweep directory ({USAGE})")
         out = plot_runs(Path(argv[0]), Path(argv[1]) if len(argv) == 2 else None)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
     except ImportError:
         print("error: plotting needs matplotlib: pip install -e '.[plot]'", file=sys.stderr)
         raise SystemExit(2)

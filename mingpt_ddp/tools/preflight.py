@@ -44,6 +44,7 @@ from mingpt_ddp.tools import bench
 from mingpt_ddp import distributed
 from mingpt_ddp.distributed import DistEnv
 from mingpt_ddp.errors import ConfigError, UserFacingError, record
+from mingpt_ddp.tools import usage
 
 TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -285,7 +286,18 @@ def run() -> Optional[str]:
     return problem
 
 
-def main() -> int:
+USAGE = "usage: [PREFLIGHT_MIN_BUSBW=GB/s] torchrun ... -m mingpt_ddp.preflight   (no arguments)"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    try:
+        _, argv = usage.options(sys.argv[1:] if argv is None else argv, __doc__, USAGE)
+        if argv:
+            raise ConfigError(f"preflight takes no arguments, got {argv[0]!r} ({USAGE})")
+    except ConfigError as exc:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return ConfigError.exit_code
     try:
         problem = run()
     except UserFacingError as exc:

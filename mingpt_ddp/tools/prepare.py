@@ -21,6 +21,7 @@ from mingpt_ddp import config, distributed
 from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import token_cache
 from mingpt_ddp.errors import ConfigError, UserFacingError
+from mingpt_ddp.tools import usage
 
 USAGE = "usage: python -m mingpt_ddp.prepare data.path=... [data.tokenizer=bpe data.vocab_size=N data.cache_dir=DIR ...]"
 
@@ -39,9 +40,14 @@ def prepare(overrides: list[str]) -> token_cache.TokenFile:
 
 def cli(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or any(a in ("-h", "--help") for a in argv):
+    try:
+        _, argv = usage.options(argv, __doc__, USAGE)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(ConfigError.exit_code)
+    if not argv:
         print(__doc__.strip() + "\n\n" + USAGE, file=sys.stderr)
-        raise SystemExit(0 if argv else ConfigError.exit_code)
+        raise SystemExit(ConfigError.exit_code)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     storage.redact_logs()
     from hydra.errors import HydraException

@@ -1,12 +1,14 @@
-"""Generate text from a snapshot.
+"""Generate text from a snapshot or an export.
 
-    python -m mingpt_ddp.sample <snapshot file, run directory or URL> prompt="ROMEO:" max_new_tokens=300
+    python -m mingpt_ddp.sample <snapshot file, run directory, URL or export directory> prompt="ROMEO:" max_new_tokens=300
 
 Options are ``key=value`` pairs checked against :class:`SampleConfig` (prompt,
 max_new_tokens, temperature, top_k, seed, device, cpu_threads).
 """
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -21,9 +23,9 @@ from mingpt_ddp.checkpoint import storage
 from mingpt_ddp.corpus import tokenizer
 from mingpt_ddp.errors import ConfigError
 from mingpt_ddp.model import GPT, GPTConfig
-from mingpt_ddp.checkpoint.snapshot import SnapshotStore
+from mingpt_ddp.tools import export, trained, usage
 
-USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu] [cpu_threads=null]'
+USAGE = 'usage: python -m mingpt_ddp.sample <snapshot path | run dir | URL | export dir> [prompt="ROMEO:"] [max_new_tokens=300] [temperature=0.8] [top_k=null] [seed=0] [device=cpu] [cpu_threads=null]'
 
 
 @dataclass
@@ -37,47 +39,6 @@ class SampleConfig:
     # Threads (torch's intra-op and inter-op pools), as trainer.cpu_threads for a run; null: this
     # process's share of the cores (its affinity; a Slurm task's own CPUs) on CPU, torch's own on GPUs.
     cpu_threads: Optional[int] = None
-
-
-# An unreachable store is retried this long before a clear error.
-RETRY_MINUTES = 0.5
-
-
-def snapshot_store_for(target: str) -> SnapshotStore:
-    """A snapshot file, or a run directory holding snapshot.pt (local or any fsspec URL;
-    credentials and endpoint from the environment, e.g. AWS_PROFILE, AWS_ENDPOINT_URL)."""
-    fs, path = storage.filesystem(target)
-    try:
-        is_dir = storage.retry_transient(lambda: fs.isdir(path), f"reading {target}", RETRY_MINUTES)
-    except Exception as exc:
-        raise ConfigError(f"cannot read {target} ({storage.describe(exc)}): check the path, the endpoint "
-                          "(AWS_ENDPOINT_URL) and the credentials") from None
-    if is_dir:
-        return SnapshotStore(target.rstrip("/") + "/snapshot.pt", retry_minutes=RETRY_MINUTES)
-    return SnapshotStore(target, retry_minutes=RETRY_MINUTES)
-
-
-def load_latest(target: str) -> Optional[tuple[dict, str]]:
-    """(snapshot, where) of the newest snapshot at `target`, on this process alone: a DDP
-    snapshot file, or an FSDP run's shards merged into the whole model (no process group).
-    The snapshot has the model's state dict and the metadata (vocab, model_config,
-    train_state, ...); None when there is none."""
-    from mingpt_ddp.checkpoint.sharded_snapshot import is_sharded, load_full_model_state
-
-    store = snapshot_store_for(target)
-    if is_sharded(store.url):
-        model_state, meta = load_full_model_state(store.url)
-        return {**meta, "model": model_state}, store.display(store.path) + ".dcp"
-    return store.load_latest()
-
-
-def failed_check(snapshot: dict) -> Optional[str]:
-    """The end-of-run check the snapshot failed (the ranks' parameters differed; its weights
-    are rank 0's and may be wrong), in words; None if it failed none."""
-    failed = snapshot.get("failed_check")
-    if not failed:
-        return None
-    return str(failed.get("message") if isinstance(failed, dict) else failed)
 
 
 def check_options(opts: SampleConfig) -> None:
@@ -100,22 +61,24 @@ def size_threads(opts: SampleConfig) -> None:
                                       opts.cpu_threads is not None, 0, key="cpu_threads")
 
 
+def load(target: str) -> trained.Trained:
+    """The model at `target`: an export directory (export.read_export reads every format
+    export writes) or else a snapshot (file, run directory, URL)."""
+    return export.read_export(target) or trained.from_snapshot(target)
+
+
 def generate_text(target: str, opts: SampleConfig) -> str:
     check_options(opts)
-    found = load_latest(target)
-    if found is None:
-        raise ConfigError(f"no snapshot at {target}: give a snapshot file or a run directory that has one")
-    snapshot, where = found
-    failed = failed_check(snapshot)
-    if failed:
-        print(f"warning: snapshot {storage.redact(where)} failed the end-of-run check ({failed}): its weights (rank "
-              "0's) may be wrong", file=sys.stderr, flush=True)
-    tok = tokenizer.from_snapshot(snapshot)  # the run's own: its characters, BPE or GPT-2's
+    found = load(target)
+    if found.failed_check:
+        print(f"warning: snapshot {storage.redact(found.where)} failed the end-of-run check ({found.failed_check}): "
+              "its weights (rank 0's) may be wrong", file=sys.stderr, flush=True)
+    tok = found.tokenizer  # the run's own: its characters, BPE or GPT-2's
     size_threads(opts)
     if torch.device(opts.device).type == "cpu":
         distributed.keep_freed_host_memory()  # each token's logits: 0.2 GB at GPT-2's vocabulary and block
-    model = GPT(GPTConfig(**snapshot["model_config"]))
-    model.load_state_dict(snapshot["model"])
+    model = GPT(GPTConfig(**found.model_config))
+    model.load_state_dict(found.state)
     model.to(opts.device).eval()
     prompt = opts.prompt or "\n"
     context = torch.from_numpy(tok.encode(prompt).astype("int64"))[None].to(opts.device)
@@ -125,6 +88,7 @@ def generate_text(target: str, opts: SampleConfig) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
+    _, argv = usage.options(argv, __doc__, USAGE)
     positional = [a for a in argv if "=" not in a]
     if len(positional) != 1:
         raise ConfigError(USAGE)
@@ -180,13 +144,14 @@ def _past(deadline: Optional[float], together: bool, device: torch.device) -> bo
 
 @torch.no_grad()
 def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = PREVIEW_TOKENS, lines: int = 4,
-            seconds: Optional[float] = PREVIEW_SECONDS, together: bool = False) -> str:
+            seconds: Optional[float] = PREVIEW_SECONDS, together: bool = False, prompt: Optional[str] = None) -> str:
     """A few lines the model just learned to write, and the command that samples more: how a
     run ends on rank 0. Dropout off, a fixed seed, the model left as it was found. It
     starts where a document starts: after a newline (characters) or <|endoftext|>. At most
     `tokens`, and no more after `seconds` (None: no time bound). `together`: every rank runs
     each forward (FSDP), so all must stop after the same chunk: rank 0's clock decides and
-    is broadcast after each chunk (an unbounded FSDP sample took 9 s on an H200). One thread
+    is broadcast after each chunk (an unbounded FSDP sample took 9 s on an H200). `prompt`: the
+    one the closing command suggests (corpus_prompt). One thread
     on CPU: each token's passes are too small to share, and a thread waiting for a busy core
     made it 50x slower."""
     was_training = model.training
@@ -220,7 +185,38 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = PR
     shown = "\n".join("    " + line for line in text.splitlines())
     cut = f"sampling stopped after {seconds:g} s, at {written} of {tokens} tokens; " if written < tokens else ""
     return (f"a sample of what the model writes now:\n{shown}\n"
-            f"{cut}sample more: python -m mingpt_ddp.sample {run_dir} prompt=\"ROMEO:\" max_new_tokens=500")
+            f"{cut}sample more: {sample_command(run_dir, prompt)}")
+
+
+def corpus_prompt(tok: tokenizer.Tokenizer, val_tokens, max_chars: int = 24) -> Optional[str]:
+    """A prompt for the closing command, from the run's own text: the first words (at most
+    `max_chars` characters, whole words where it can) of the validation split's first whole
+    line that has any, so that it means something in the corpus (not "ROMEO:" for Python
+    source) and encodes in its vocabulary. None when no line fits."""
+    text = tok.decode([int(t) for t in val_tokens[:400]])
+    for line in text.split("\n")[1:-1]:  # whole lines: the split may cut the first and the last
+        line = line.strip()
+        if line and line.isprintable():
+            cut = line[:max_chars]
+            if len(line) > max_chars and " " in cut:
+                cut = cut.rsplit(" ", 1)[0]
+            return cut
+    return None
+
+
+def sample_command(run_dir: str, prompt: Optional[str] = None, max_new_tokens: int = 500) -> str:
+    """The command that samples more from `run_dir`, ready to paste into the shell the run
+    started from: the interpreter the run used (the quick start never activates the venv;
+    relative where it is under the current directory, .venv/bin/python), the run directory
+    likewise, every word shell-quoted."""
+    def here(path: str) -> str:
+        rel = os.path.relpath(os.path.abspath(path))
+        return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+    python = here(sys.executable)
+    python = python if os.sep in python else os.curdir + os.sep + python  # a command, not a name to look up
+    words = [python, "-m", "mingpt_ddp.sample", here(run_dir)]
+    words += [f"prompt={prompt}"] if prompt else []
+    return shlex.join([*words, f"max_new_tokens={max_new_tokens}"])
 
 
 if __name__ == "__main__":

@@ -266,15 +266,33 @@ def workers_failed(exc: Any) -> Optional[str]:
             "(their own `error:` lines above say why)")
 
 
-def cli() -> None:
+USAGE = "usage: mingpt-torchrun [torchrun's options] mingpt_ddp/main.py [overrides]"
+
+
+def parse_args(argv: list[str]):
+    """torchrun's own parser (its --help, exit 0), but a bad option is one `error:` line, exit 2,
+    not argparse's usage of 30 lines first."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "mingpt-torchrun"
+
+    def error(message: str) -> None:
+        print(f"error: {message} ({USAGE}; --help lists torchrun's options)", file=sys.stderr, flush=True)
+        raise SystemExit(errors.ConfigError.exit_code)
+    parser.error = error
+    return parser.parse_args(argv)
+
+
+def cli(argv: Optional[list[str]] = None) -> None:
     _import_torch_quietly()
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.run import run
 
-    args = parse_args(sys.argv[1:])
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     # On the failure paths the rendezvous logs warnings ("failed to shutdown the rendezvous ...
     # RendezvousConnectionError") that the one line below says better.
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").setLevel(logging.ERROR)
