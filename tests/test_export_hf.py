@@ -150,7 +150,7 @@ def test_the_usage_names_hf_and_an_unknown_flag_is_refused(capsys):
         with pytest.raises(SystemExit) as refused:
             export.cli(argv)
         err = capsys.readouterr().err
-        assert refused.value.code == 2 and err.startswith("usage:") and "[--hf]" in err, err
+        assert refused.value.code == 2 and err.startswith("error:") and "[--hf]" in err, err
 
 
 def test_read_hf_export_refuses_a_directory_it_did_not_write(tmp_path):
