@@ -575,13 +575,15 @@ def settings_changed(saved: Any, cfg: DictConfig, finished: bool = False,
     """`key: saved -> now` for the RESULT_KEYS (and for a `finished` run the FINISHED_KEYS)
     whose value differs from the snapshot's config (none when the snapshot records no
     config). A key its config lacks was added since it was written: its default is what that
-    run trained with, so it is not a change. Settings that did nothing on either side are no
+    run trained with, so another value now is a change. Settings that did nothing on either side are no
     change: optimizer.muon_* without Muon, data.tokenizer_train_chars without BPE; nor is
     optimizer.decay_steps pinned to `planned_total`, the horizon the snapshot's null meant."""
     if not isinstance(saved, dict):
         return []
     before = config.flat_resolved(saved)
     now = config.flat_resolved(storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)))
+    schema = config.flat_resolved(OmegaConf.structured(config.Config))
+    before.update({key: schema[key] for key in now.keys() - before.keys() if key in schema})
     keys = RESULT_KEYS + (FINISHED_KEYS if finished else ())
 
     def either(key: str, value: str) -> bool:

@@ -160,6 +160,11 @@ def test_what_a_finished_run_or_a_resume_is_compared_on():
     assert settings_changed(saved(), composed("optimizer.decay_steps=40"), planned_total=40) == []
     assert settings_changed(saved(), composed("optimizer.decay_steps=30"), planned_total=40) \
         == ["optimizer.decay_steps=None then, 30 now"]
+    # A key added since the snapshot was written: the run trained with its default (it used to pass unseen)
+    older = saved()
+    del older["optimizer"]["warmup_steps"]
+    assert settings_changed(older, composed()) == []
+    assert settings_changed(older, composed("optimizer.warmup_steps=7")) == ["optimizer.warmup_steps=100 then, 7 now"]
 
     ten = TrainState(epoch=0, step=10, epoch_position=80)
     limits = saved("trainer.max_steps=10")
