@@ -248,6 +248,26 @@ def test_precision_row_times_bf16_in_one_bounded_pass_unless_its_matmuls_are_fas
         assert row["bf16_tokens_per_s"] > 0
 
 
+@pytest.mark.unit
+def test_sample_times_the_kv_cache_against_the_plain_loop_side_by_side(capsys):
+    """bench sample (issue 33): tokens/s with and without the KV cache, `repeat` pairs, their
+    ratios, the best of each, and the CPU's flags. In process, a tiny model, no assertion on
+    speed."""
+    from types import SimpleNamespace
+
+    dist = SimpleNamespace(device=torch.device("cpu"), backend="gloo", world_size=1, local_world_size=1)
+    options = {**bench.OPTIONS, "tokens": "6", "repeat": "2", "vocab": "11"}
+    overrides = ["model=gpt-nano", "data.block_size=8"]
+    result = {"env": bench.environment(dist), **bench.run_sample(dist, options, overrides)}
+    assert result["model"] == {"n_layer": 3, "n_head": 3, "n_embd": 48, "block_size": 8, "vocab_size": 11}
+    assert len(result["runs"]) == 2 and all(r["ratio"] > 0 for r in result["runs"])
+    assert result["best_ratio"] == result["best_cached_tokens_per_s"] / result["best_plain_tokens_per_s"]
+    bench.report("sample", result)
+    out = capsys.readouterr().out
+    assert out.startswith("# sampling 6 tokens, 3L/48d, block 8, vocabulary 11 (random weights")
+    assert "KV cache tok/s" in out and "best: KV cache " in out and "\ncpu: " in out
+
+
 @pytest.mark.cli
 def test_fixed_breaks_a_one_step_run_down_from_launch_to_exit(tmp_path):
     stdout, r = run_bench(["fixed", "runs=1", "text_mb=0.2"], tmp_path, timeout=300)

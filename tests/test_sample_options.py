@@ -44,6 +44,24 @@ def test_temperature_zero_is_greedy(tiny_snapshot):
 
 
 @pytest.mark.unit
+def test_sample_tool_at_temperature_zero_writes_the_plain_loops_text(tiny_snapshot):
+    """The tool samples with the KV cache: at temperature 0 its text within the block is the
+    plain loop's (what it wrote before the cache), token for token."""
+    import torch
+    from mingpt_ddp.checkpoint.snapshot import decode
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.tools import sample
+
+    text = sample.generate_text(str(tiny_snapshot), sample.SampleConfig(prompt="ab", max_new_tokens=7,
+                                                                        temperature=0))
+    snapshot = decode(tiny_snapshot.read_bytes())
+    model = GPT(GPTConfig(**snapshot["model_config"]))
+    model.load_state_dict(snapshot["model"])
+    plain = model.eval().generate(torch.tensor([[1, 2]]), 7, temperature=0, use_cache=False)
+    assert text == "".join("\nabcd"[i] for i in plain[0].tolist())
+
+
+@pytest.mark.unit
 def test_sampling_a_snapshot_that_failed_the_end_of_run_check_warns(tmp_path, capsys):
     from test_export import marked_snapshot
 

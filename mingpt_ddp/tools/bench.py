@@ -6,6 +6,7 @@
     python -m mingpt_ddp.bench snapshot model=gpt2 url=s3://bucket/bench
     python -m mingpt_ddp.bench precision models=all                 # fp32 vs bf16, auto's choice
     python -m mingpt_ddp.bench fixed runs=5                         # a 1-step run's fixed costs
+    python -m mingpt_ddp.bench sample model=gpt-mini data.block_size=128   # KV cache vs plain loop
     torchrun --standalone --nproc_per_node=2 -m mingpt_ddp.bench comm max_bytes=64MB
 
 Each mode prints a table (rank 0) and writes it as JSON to `out=` (default
@@ -50,6 +51,12 @@ options below, and otherwise Hydra overrides of the training config (`model=...`
             leaves alone) and after (the run's own settings, distributed.keep_freed_host_memory):
             wall, user and system CPU seconds, the kernel's share, tokens/s of the steps, peak RSS;
             a warm-up run first trains the BPE and fills the token cache
+  sample:   tokens=1000 repeat=3 vocab=65 snapshot=PATH (a snapshot file or run directory; default:
+            random weights of the configured model, data.block_size and a vocabulary of `vocab`):
+            tokens/s of GPT.generate with the KV cache and with the plain loop (the whole cropped
+            context through the model per token), `tokens` new ones from one newline-like token at
+            temperature 0.8, the two side by side `repeat` times (the best of each and every
+            run's ratio); threads as trainer.cpu_threads (null: this process's share of the cores)
 
 `train` runs `Trainer.fit()` itself, timing optimizer steps with a step callback, so it
 measures the loop a real run executes: data, autocast, DDP or FSDP (trainer.strategy),
@@ -90,14 +97,15 @@ from mingpt_ddp.tools import usage
 from mingpt_ddp.metrics import (EMULATED_SLOWDOWN, MAX_MATMUL_SECONDS, MetricsLog, default_peak_sizes, matmul_flops,
                                 mfu, mfu_record)
 
-MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed", "alloc")
+MODES = ("peak", "train", "data", "snapshot", "comm", "precision", "fixed", "alloc", "sample")
 USAGE = f"usage: python -m mingpt_ddp.bench <{'|'.join(MODES)}> [key=value ...]"
 # The bench's own options (keys without a dot); everything else goes to Hydra.
 OPTIONS: dict[str, Any] = {
     "out": None, "wait_quiet": 0.0, "seconds": 0.5, "sizes": None, "steps": None, "warmup": 5,
     "url": None, "repeat": 3, "min_bytes": "8", "max_bytes": "256MB", "iters": None, "models": None,
     "project": None, "hosts": "2,4,8,16",
-    "avx2": None, "runs": 5, "text_mb": 1.0, "vocabs": "char,4096,50257",
+    "avx2": None, "runs": 5, "text_mb": 1.0, "vocabs": "char,4096,50257", "tokens": 1000, "vocab": 65,
+    "snapshot": None,
 }
 
 
@@ -1187,10 +1195,78 @@ def _container(node) -> dict[str, Any]:
     return OmegaConf.to_container(node)
 
 
+# ---- sampling ---------------------------------------------------------------------------
+def sample_model(options: dict[str, Any], overrides: list[str]):
+    """(model, where from): a snapshot's, or random weights of the configured model."""
+    from mingpt_ddp.model import GPT, GPTConfig
+
+    if options["snapshot"]:
+        from mingpt_ddp.tools import sample
+
+        found = sample.load_latest(options["snapshot"])
+        if found is None:
+            raise ConfigError(f"no snapshot at {options['snapshot']}: give a snapshot file or a run directory")
+        snapshot, where = found
+        model = GPT(GPTConfig(**snapshot["model_config"]))
+        model.load_state_dict(snapshot["model"])
+        return model.eval(), storage.redact(where)
+    cfg = compose(overrides)
+    torch.manual_seed(0)
+    from omegaconf import OmegaConf
+
+    fields = GPTConfig.__dataclass_fields__
+    model_cfg = GPTConfig(vocab_size=int(options["vocab"]), block_size=cfg.data.block_size,
+                          **{k: v for k, v in OmegaConf.to_container(cfg.model, enum_to_str=True).items() if k in fields})
+    return GPT(model_cfg).eval(), f"random weights, vocabulary {options['vocab']}"
+
+
+def run_sample(dist, options: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """GPT.generate's tokens/s with the KV cache against the plain loop, side by side."""
+    model, source = sample_model(options, overrides)
+    model.to(dist.device)
+    tokens, repeat = int(options["tokens"]), int(options["repeat"])
+    start = torch.zeros((1, 1), dtype=torch.long, device=dist.device)
+    wait_until_quiet(float(options["wait_quiet"]), dist)
+    noise = CpuNoise(dist)
+
+    def seconds(use_cache: bool, n: int) -> float:
+        generator = torch.Generator(device=dist.device).manual_seed(0)
+        sync(dist.device)
+        started = time.perf_counter()
+        model.generate(start, n, temperature=0.8, generator=generator, use_cache=use_cache)
+        sync(dist.device)
+        return time.perf_counter() - started
+
+    seconds(True, 20), seconds(False, 20)  # warm-up: first calls allocate and pick kernels
+    runs = []
+    for _ in range(repeat):
+        cached, plain = seconds(True, tokens), seconds(False, tokens)
+        runs.append({"cached_tokens_per_s": tokens / cached, "plain_tokens_per_s": tokens / plain,
+                     "ratio": plain / cached})
+    best_cached = max(r["cached_tokens_per_s"] for r in runs)
+    best_plain = max(r["plain_tokens_per_s"] for r in runs)
+    return {"model": {**{k: getattr(model.cfg, k) for k in ("n_layer", "n_head", "n_embd", "block_size",
+                                                            "vocab_size")}},
+            "source": source, "tokens": tokens, "runs": runs, "best_cached_tokens_per_s": best_cached,
+            "best_plain_tokens_per_s": best_plain, "best_ratio": best_cached / best_plain,
+            "ratios": [r["ratio"] for r in runs], "cpu_flags": cpu_flags(), "other_cpu_busy": noise.fraction()}
+
+
+def cpu_flags() -> Optional[str]:
+    """The CPU's SIMD flags (avx2, avx512*, amx*) from /proc/cpuinfo: what its kernels may use."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return " ".join(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx", "fma")))
+    except OSError:
+        pass
+    return None
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "fixed": run_fixed,
     "peak": run_peak, "train": run_train, "data": run_data, "snapshot": run_snapshot, "comm": run_comm,
-    "precision": run_precision, "alloc": run_alloc,
+    "precision": run_precision, "alloc": run_alloc, "sample": run_sample,
 }
 
 
@@ -1313,6 +1389,19 @@ def report(mode: str, result: dict[str, Any]) -> None:
         print(f"cpu: {result['cpu']}")
         for r in result["rows"]:
             print(f"command ({r['vocab']}, {r['when']}): {r['command']}")
+    elif mode == "sample":
+        m = result["model"]
+        print_table(f"sampling {result['tokens']} tokens, {m['n_layer']}L/{m['n_embd']}d, block {m['block_size']}, "
+                    f"vocabulary {m['vocab_size']} ({result['source']}), temperature 0.8: {where}{noise}",
+                    ["run", "KV cache tok/s", "plain loop tok/s", "cache/plain"],
+                    [[i + 1, r["cached_tokens_per_s"], r["plain_tokens_per_s"], r["ratio"]]
+                     for i, r in enumerate(result["runs"])])
+        ratios = result["ratios"]
+        print(f"best: KV cache {result['best_cached_tokens_per_s']:.1f} tok/s, plain loop "
+              f"{result['best_plain_tokens_per_s']:.1f} tok/s: {result['best_ratio']:.2f}x; side-by-side ratios "
+              f"{min(ratios):.2f}-{max(ratios):.2f}x")
+        cpu = env.get("cpu", {})
+        print(f"cpu: {env['device_name']}, torch's kernels {cpu.get('capability')}, flags {result['cpu_flags']}")
     elif mode == "comm":
         print_table(
             f"all_reduce (in place, float sum) over {result['ranks']} rank(s): {where}{noise}",

@@ -170,16 +170,20 @@ def preview(model: GPT, tok: tokenizer.Tokenizer, run_dir: str, tokens: int = PR
     # Alone: the clock after every token (a chunk of a large model's tokens could take seconds on
     # one thread). Together: after every 4, each check a broadcast from rank 0.
     chunk = 4 if together else 1
+    new: list[torch.Tensor] = []
+    stream = model.stream(out, temperature=0.8, generator=generator)  # with a KV cache: the tokens of generate()
     try:
         # Eager, also where the blocks were compiled (FSDP): each new length would recompile them.
         with torch.compiler.set_stance("force_eager"):
-            while out.size(1) - 1 < tokens:  # in chunks: the same tokens as one call, the same seed
-                out = model.generate(out, min(chunk, tokens - out.size(1) + 1), temperature=0.8, generator=generator)
-                if _past(deadline, together, device):
+            for token in stream if tokens > 0 else ():
+                new.append(token)
+                if len(new) == tokens or (len(new) % chunk == 0 and _past(deadline, together, device)):
                     break
     finally:
+        stream.close()
         torch.set_num_threads(threads)
         model.train(was_training)
+    out = torch.cat([out, *new], dim=1)
     written = out.size(1) - 1
     text = "\n".join(tok.decode(out[0, 1:].tolist()).strip("\n").splitlines()[:lines])
     shown = "\n".join("    " + line for line in text.splitlines())
