@@ -859,7 +859,8 @@ def test_a_torchrun_restart_elsewhere_is_not_refused_before_the_two_heartbeat_wa
 def run_dir_check_config(directory):
     from omegaconf import OmegaConf
 
-    return OmegaConf.create({"hydra": {"run": {"dir": str(directory)}, "output_subdir": None},
+    return OmegaConf.create({"hydra": {"run": {"dir": str(directory)}, "output_subdir": None,
+                                       "overrides": {"hydra": [], "task": []}},
                              "trainer": {"snapshot_path": None}})
 
 
