@@ -268,6 +268,27 @@ def test_sample_times_the_kv_cache_against_the_plain_loop_side_by_side(capsys):
     assert "KV cache tok/s" in out and "best: KV cache " in out and "\ncpu: " in out
 
 
+
+@pytest.mark.unit
+def test_sample_times_a_snapshots_model_when_given_one(tmp_path):
+    """bench sample snapshot=PATH reads the snapshot (it failed with an AttributeError after
+    the snapshot reading moved to tools/trained.py)."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+
+    from mingpt_ddp.checkpoint.snapshot import encode
+    from mingpt_ddp.model import GPT, GPTConfig
+    from mingpt_ddp.trainer import TrainState
+
+    cfg = GPTConfig(vocab_size=7, block_size=8, n_layer=1, n_head=1, n_embd=8)
+    path = tmp_path / "snapshot.pt"
+    path.write_bytes(encode({"model": GPT(cfg).state_dict(), "model_config": asdict(cfg), "vocab": "\nabcdef",
+                             "train_state": asdict(TrainState(step=3))}, 3))
+    dist = SimpleNamespace(device=torch.device("cpu"), backend="gloo", world_size=1, local_world_size=1)
+    result = bench.run_sample(dist, {**bench.OPTIONS, "tokens": "4", "repeat": "1", "snapshot": str(path)}, [])
+    assert result["model"]["vocab_size"] == 7 and len(result["runs"]) == 1
+
+
 @pytest.mark.cli
 def test_fixed_breaks_a_one_step_run_down_from_launch_to_exit(tmp_path):
     stdout, r = run_bench(["fixed", "runs=1", "text_mb=0.2"], tmp_path, timeout=300)

@@ -2,6 +2,7 @@
 snapshot, loaded with AutoModelForCausalLM / AutoTokenizer: the same logits, the same token ids
 for the three tokenizers, and read back by read_hf_export. Tiny hand-made snapshots, in process."""
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -114,6 +115,8 @@ def test_auto_tokenizer_gives_this_projects_ids_also_for_non_ascii_text(tmp_path
     if kind == "gpt2":
         assert theirs("Hello world")["input_ids"] == [15496, 995]
         same_logits(model, out)  # GPT-2's vocabulary: every id of the head
+        os.remove(tokenizer.gpt2_cache_path())  # offline, no cache: the directory's own ranks serve
+        assert export.read_export(str(out)).tokenizer.encode(TEXT).tolist() == tok.encode(TEXT).tolist()
 
 
 def test_ids_of_a_padded_vocabulary_are_never_generated(tmp_path):
@@ -156,3 +159,57 @@ def test_the_usage_names_hf_and_an_unknown_flag_is_refused(capsys):
 def test_read_hf_export_refuses_a_directory_it_did_not_write(tmp_path):
     with pytest.raises(ConfigError, match=f"no {export.SIDECAR}: not a directory"):
         export.read_hf_export(str(tmp_path))
+
+
+def files(directory) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_an_export_stopped_half_way_leaves_the_earlier_one_whole_and_formats_never_mix(tmp_path, monkeypatch):
+    """The export is written beside the directory and renamed into place: stopped after its
+    weights (Ctrl-C, a full disk), the earlier export is as it was (it used to get the new
+    weights beside the old tokenizer, read without a word); an --hf export over a plain one
+    leaves no weights.pt behind."""
+    chars = tokenizer.CharTokenizer(Vocabulary(CHARS))
+    _, first = snapshot(chars)
+    out = tmp_path / "out"
+    (tmp_path / "a").mkdir()
+    export.export(saved(tmp_path / "a", first), str(out))
+    before = files(out)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(tokenizer.CharTokenizer, "hf_json", interrupted)
+    _, second = snapshot(chars, gelu="tanh", train_state=asdict(TrainState(step=9)))
+    (tmp_path / "b").mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        export.export(saved(tmp_path / "b", second), str(out), hf=True)
+    assert files(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "out"]
+    monkeypatch.undo()
+    export.export(saved(tmp_path / "b", second), str(out), hf=True)
+    assert "weights.pt" not in files(out) and export.read_export(str(out)).model_config["gelu"] == "tanh"
+
+
+def test_what_export_will_not_write_over_or_to(tmp_path, capsys):
+    """A run directory (or any directory with other files) is never an export's target, nor a
+    URL (it was written to ./s3:/...), nor --hf with --safetensors (ignored before)."""
+    _, state = snapshot(tokenizer.CharTokenizer(Vocabulary(CHARS)))
+    source = saved(tmp_path, state)  # tmp_path now holds snapshot.pt: a run directory
+    for out, message in ((tmp_path, "not an export"), ("s3://bucket/out", "is a URL"), (source, "is a file")):
+        with pytest.raises(ConfigError, match=message):
+            export.export(source, str(out), hf=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot.pt"]
+    with pytest.raises(SystemExit) as refused:
+        export.cli([source, str(tmp_path / "x"), "--hf", "--safetensors"])
+    assert refused.value.code == 2 and "drop --safetensors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("hf", [False, True])
+def test_damaged_weights_in_an_export_are_one_error_naming_the_fix(tmp_path, hf):
+    _, state = snapshot(tokenizer.CharTokenizer(Vocabulary(CHARS)))
+    out = tmp_path / "out"
+    export.export(saved(tmp_path, state), str(out), hf=hf)
+    weights = out / ("model.safetensors" if hf else "weights.pt")
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match="cannot read .*export"):
+        export.read_export(str(out))

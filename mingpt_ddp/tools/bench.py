@@ -1201,9 +1201,9 @@ def sample_model(options: dict[str, Any], overrides: list[str]):
     from mingpt_ddp.model import GPT, GPTConfig
 
     if options["snapshot"]:
-        from mingpt_ddp.tools import sample
+        from mingpt_ddp.tools import trained
 
-        found = sample.load_latest(options["snapshot"])
+        found = trained.load_latest(options["snapshot"])
         if found is None:
             raise ConfigError(f"no snapshot at {options['snapshot']}: give a snapshot file or a run directory")
         snapshot, where = found

@@ -38,6 +38,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from typing import Any, Optional
 
 import torch
@@ -85,12 +86,28 @@ def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_c
     trained = {"step": state["step"], "epoch": state["epoch"], "tokens_seen": state["tokens_seen"],
                "val_loss": state.get("last_val_loss"), "source": storage.redact(where),
                "failed_check": snapshot.get("failed_check") or None}  # the end-of-run check it failed
-    if hf:
-        return write_hf(model, snapshot["model_config"], tok, trained, out_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    check_out_dir(out_dir)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.export-",
+                               dir=os.path.dirname(os.path.abspath(out_dir)))
+    try:
+        if hf:
+            meta = write_hf(model, snapshot["model_config"], tok, trained, staging)
+        else:
+            meta = write_plain(model, snapshot["model_config"], tok, trained, staging, safetensors)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700 would follow it to out_dir
+        _replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return meta
+
+
+def write_plain(model: model_module.GPT, model_config: dict[str, Any], tok: tokenizer.Tokenizer,
+                trained: dict[str, Any], out_dir: str, safetensors: bool) -> dict[str, Any]:
+    """This package's own format (module docstring); return what config.json says."""
     meta = {
         "format": FORMAT,
-        "model_config": snapshot["model_config"],
+        "model_config": model_config,
         "tokenizer": {"kind": tok.kind, "file": tok.save(out_dir), "vocab_size": tok.size,
                       **({"eot_id": tok.eot_id} if tok.kind != "char" else {})},
         **({"vocab": list(tok.vocab.chars)} if tok.kind == "char" else {}),
@@ -98,12 +115,60 @@ def export(source: str, out_dir: str, safetensors: bool = False, accept_failed_c
     }
     torch.save(model.state_dict(), os.path.join(out_dir, "weights.pt"))
     if safetensors:
+        from safetensors.torch import save_model
+
         save_model(model, os.path.join(out_dir, "model.safetensors"))  # the tied head is stored once
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    _write_json(os.path.join(out_dir, "config.json"), meta)
     shutil.copyfile(model_module.__file__, os.path.join(out_dir, "model.py"))
     return meta
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def is_export(directory: str) -> bool:
+    """Whether `directory` holds an export (either format): what a new export may replace."""
+    if os.path.isfile(os.path.join(directory, SIDECAR)):
+        return True
+    try:
+        with open(os.path.join(directory, "config.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def check_out_dir(out_dir: str) -> None:
+    """A new or empty directory, or an earlier export (replaced whole); never a run directory
+    or anything else with files in it. Local only: export writes a directory, then renames it."""
+    if "://" in out_dir:
+        raise ConfigError(f"the output directory {storage.redact(out_dir)} is a URL: export writes a local directory "
+                          "(it appears whole, by a rename); upload it afterwards (e.g. aws s3 cp --recursive, "
+                          "huggingface-cli upload)")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"{out_dir} is a file: give a new directory for the export")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not is_export(out_dir):
+        raise ConfigError(f"{out_dir} holds files that are not an export (a run directory?): give a new or empty "
+                          "directory (an earlier export there is replaced whole)")
+
+
+def _replace(staging: str, out_dir: str) -> None:
+    """Put the finished export at `out_dir` by renames: a reader sees the old export or the new
+    one, never a mix of the two (an export stopped half way leaves the old one as it was)."""
+    if not os.path.isdir(out_dir):
+        os.rename(staging, out_dir)
+        return
+    old = f"{staging}.old"
+    os.rename(out_dir, old)
+    try:
+        os.rename(staging, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_json(path: str, value: Any) -> None:
@@ -142,6 +207,8 @@ def write_hf(model: model_module.GPT, model_config: dict[str, Any], tok: tokeniz
                 {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
                  "clean_up_tokenization_spaces": False, **special})
     sidecar = {"format": HF_FORMAT, "model_config": model_config, "tokenizer": tok.to_dict(), "trained": trained}
+    if tok.kind == "gpt2":  # its ranks, so that this project reads the directory without tiktoken's cache
+        sidecar["tokenizer_file"] = tok.save(out_dir)
     _write_json(os.path.join(out_dir, SIDECAR), sidecar)
     return sidecar
 
@@ -179,14 +246,19 @@ def read_hf_export(directory: str) -> tuple[dict[str, Any], dict[str, torch.Tens
     differ = sorted(k for k in shape if ours.get(k) != shape[k])
     if differ:
         raise ConfigError(f"{where}/config.json no longer matches {SIDECAR} ({', '.join(differ)}): export it again")
-    state = hf_gpt2.from_hf(load_safetensors(read("model.safetensors")), model_config["n_layer"])
+    try:
+        weights = load_safetensors(read("model.safetensors"))
+    except Exception as exc:  # cut short or damaged
+        raise ConfigError(f"cannot read {where}/model.safetensors ({type(exc).__name__}: {exc}): export it again") from None
+    state = hf_gpt2.from_hf(weights, model_config["n_layer"])
     return model_config, state, sidecar["tokenizer"], sidecar["trained"]
 def read_export(directory: str) -> Optional[Trained]:
     """An export directory read back (what `python -m mingpt_ddp.sample <dir>` samples from);
-    None when `directory` is not one (no config.json: a run directory, a snapshot file, a URL).
+    None when `directory` is not one (no config.json: a run directory, a snapshot file, a URL;
+    or a snapshot beside it: the run's newest weights, not an older export's).
     Each format export writes is read here, by what its config.json says."""
     path = os.path.join(directory, "config.json")
-    if "://" in directory or not os.path.isfile(path):
+    if "://" in directory or not os.path.isfile(path) or os.path.exists(os.path.join(directory, "snapshot.pt")):
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -205,7 +277,11 @@ def _read_own(directory: str, meta: dict[str, Any]) -> Trained:
     """This package's own format (FORMAT): weights.pt, config.json and the tokenizer's file."""
     spec = meta["tokenizer"]
     tok = tokenizer.from_export(directory, spec["kind"], spec.get("file"), meta.get("vocab"), spec.get("eot_id"))
-    state = torch.load(os.path.join(directory, "weights.pt"), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(os.path.join(directory, "weights.pt"), map_location="cpu", weights_only=True)
+    except Exception as exc:  # cut short, damaged or not tensors only
+        raise ConfigError(f"cannot read {os.path.join(directory, 'weights.pt')} ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''}): export the run again") from None
     failed = (meta.get("trained") or {}).get("failed_check")
     return Trained(meta["model_config"], state, tok, directory,
                    str(failed.get("message") if isinstance(failed, dict) else failed) if failed else None)
@@ -214,8 +290,14 @@ def _read_own(directory: str, meta: dict[str, Any]) -> Trained:
 def _read_hf(directory: str) -> Trained:
     """An --hf directory (read_hf_export), with its tokenizer rebuilt from the sidecar."""
     model_config, state, tokenizer_state, trained = read_hf_export(directory)
+    with open(os.path.join(directory, SIDECAR), encoding="utf-8") as f:
+        ranks_file = json.load(f).get("tokenizer_file")
+    if ranks_file:  # GPT-2's ranks beside it: no tiktoken cache needed
+        tok = tokenizer.from_export(directory, tokenizer_state["kind"], ranks_file)
+    else:
+        tok = tokenizer.from_dict(tokenizer_state)
     failed = trained.get("failed_check")
-    return Trained(model_config, state, tokenizer.from_dict(tokenizer_state), directory,
+    return Trained(model_config, state, tok, directory,
                    str(failed.get("message") if isinstance(failed, dict) else failed) if failed else None)
 
 
@@ -225,6 +307,8 @@ def cli(argv: Optional[list[str]] = None) -> None:
         flags, positional = usage.options(argv, __doc__, USAGE, {"--safetensors", "--accept-failed-check", "--hf"})
         if len(positional) != 2:
             raise ConfigError(f"give a run directory, snapshot file or URL and an output directory ({USAGE})")
+        if {"--hf", "--safetensors"} <= set(flags):
+            raise ConfigError("--hf writes model.safetensors already: drop --safetensors")
         meta = export(positional[0], positional[1], safetensors="--safetensors" in flags,
                       accept_failed_check="--accept-failed-check" in flags, hf="--hf" in flags)
     except ConfigError as exc:
