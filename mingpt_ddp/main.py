@@ -638,10 +638,11 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
                  resume: Optional[ResumeCheck] = None) -> Outcome:
     """Build the model, trackers and trainer, load the snapshot's state, train, report."""
     seed_everything(cfg.trainer.seed)  # identical initial weights on every rank
-    weights = data.start.weights if data.start is not None else None  # model.init_from on a fresh start
-    data = data._replace(start=data.start and data.start._replace(weights=None))  # kept only by the model until filled in
+    weights = data.start.take_weights() if data.start is not None else None  # model.init_from on a fresh start
     model = parallel.build_model(cfg.trainer, data.model_cfg, weights)  # FSDP: on the meta device, shards filled later
-    del weights
+    if weights is not None:
+        del weights
+        distributed.release_cached_memory()  # the checkpoint's bytes and decoded copies (2-3x its size) go back
     profiling.mark("model built")
     seed_everything(cfg.trainer.seed + dist.rank)  # but each rank draws its own dropout masks
     vocab, tok = data.vocab, data.tokenizer
@@ -650,7 +651,7 @@ def run_training(cfg: DictConfig, dist: DistEnv, run_dir: str, saves_to, ddp_fil
         "tokenizer": tok.to_dict(),  # what sample, export and a resume decode and encode with
         "model_config": dict(vars(data.model_cfg)),
         "corpus": data.identity,  # what it trains on: a resume on other text is refused (corpus/identity.py)
-        "init_from": data.start.identity if data.start else None,  # its starting weights (checkpoint/pretrained.py)
+        "init_from": pretrained.recorded_start(found.snapshot if found else None, data.start),  # its starting weights
         "config": storage.redacted_config(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)),
     }
     sinks: list[loggers.Sink] = []  # rank 0's trackers; one that cannot start stops every rank

@@ -51,12 +51,25 @@ def test_a_refused_run_takes_away_only_a_run_directory_it_made(tmp_path, monkeyp
     mine, theirs, busy = tmp_path / "outputs" / "new", tmp_path / "theirs", tmp_path / "busy"
     theirs.mkdir()
     for path in (mine, theirs, busy):
-        run_dir_check.note_if_new(str(path), named=True)
+        run_dir_check.note_if_new(str(path))
     for path in (mine, theirs):
         hydra_wrote(path)
     hydra_wrote(busy, "../metrics.jsonl")
     assert [run_dir_check.remove_if_refused(str(p), ".hydra") for p in (mine, theirs, busy)] == [True, False, False]
     assert not (tmp_path / "outputs").exists() and (theirs / "main.log").exists() and busy.exists()
+
+    # Under torchrun: made by another rank of this launch (its mark), or an earlier attempt's under
+    # the same run id (no mark; it was taken away when a probe had touched it after the agent started)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    other_rank, earlier = tmp_path / "outputs" / "torchrun-a", tmp_path / "outputs" / "torchrun-b"
+    other_rank.mkdir(parents=True)
+    (other_rank / run_dir_check.MADE_MARK).write_text(run_dir_check._launch_id())
+    earlier.mkdir()
+    for path in (other_rank, earlier):
+        run_dir_check.note_if_new(str(path))
+        hydra_wrote(path)
+    assert [run_dir_check.remove_if_refused(str(p), ".hydra") for p in (other_rank, earlier)] == [True, False]
+    assert (earlier / "main.log").exists() and not other_rank.exists()
 
 
 @pytest.mark.cli

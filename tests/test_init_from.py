@@ -144,14 +144,14 @@ def test_pytorch_model_bin_and_shards_load_as_tensors_only(checkpoint, tmp_path)
     got = pretrained.read(str(as_bin), SINGLE, model_cfg, fresh=True).weights
     assert all(torch.equal(got[k], v) for k, v in expected.items())
     torch.save({**state, "code": RunsCode()}, as_bin / "pytorch_model.bin")
-    with pytest.raises(ConfigError, match="cannot load pytorch_model.bin"):
+    with pytest.raises(ConfigError, match="pytorch_model.bin holds more than tensors .*it was not.*model.safetensors"):
         pretrained.read(str(as_bin), SINGLE, model_cfg, fresh=True)
     sharded = tmp_path / "sharded"
     transformers.GPT2LMHeadModel.from_pretrained(checkpoint).save_pretrained(sharded, max_shard_size="1MB")
     assert (sharded / "model.safetensors.index.json").exists()
     start = pretrained.read(str(sharded), SINGLE, model_cfg, fresh=True)
     assert len(start.identity["files"]) > 1 and all(torch.equal(start.weights[k], v) for k, v in expected.items())
-    assert pretrained.read(str(sharded), SINGLE, model_cfg, fresh=False) == (start.identity, None)  # a resume: hashed
+    assert pretrained.read(str(sharded), SINGLE, model_cfg, fresh=False) == pretrained.Start(start.identity, None)  # a resume: hashed
 
 
 @pytest.mark.unit
@@ -227,3 +227,27 @@ def test_fine_tune_killed_resumes_bit_identically_and_exports_back_to_the_same_w
     assert set(back) == set(trained["model"])
     for name, tensor in trained["model"].items():
         assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.unit
+def test_the_starting_weights_are_given_up_by_every_holder_once_taken():
+    """main.py's caller kept the whole starting state dict alive in its RunData for the run
+    (about the checkpoint's size per process; review): taking them clears every copy's field."""
+    from mingpt_ddp.main import RunData
+
+    start = pretrained.Start({"path": "/ck"}, {"wte.weight": torch.zeros(2, 2)})
+    data = RunData(None, None, None, None, {}, start)
+    moved = data._replace(identity={"x": 1})
+    assert start.take_weights() is not None
+    assert data.start.weights is None and moved.start.weights is None and start.take_weights() is None
+
+
+@pytest.mark.unit
+def test_a_resume_records_where_its_weights_came_from_not_the_directory_it_was_let_through_with():
+    """After trainer.continue_with_new_settings=true let a resume name another model.init_from,
+    its snapshots recorded that directory as their start (review): the lineage's start is kept."""
+    a = {"path": "/ckA", "files": ["model.safetensors"], "sha256": "a" * 64}
+    b = pretrained.Start({"path": "/ckB", "files": ["model.safetensors"], "sha256": "b" * 64}, None)
+    assert pretrained.recorded_start({"init_from": a}, b) == a
+    assert pretrained.recorded_start({}, b) is None  # a run that started from its own initialisation
+    assert pretrained.recorded_start(None, b) == b.identity and pretrained.recorded_start(None, None) is None

@@ -191,3 +191,13 @@ def test_the_sample_tool_runs_on_cpu_threads_or_its_share_of_the_cores(tiny_snap
     finally:
         torch.set_num_threads(before)
     assert sample.parse_args(["x", "cpu_threads=4"])[1].cpu_threads == 4
+
+
+@pytest.mark.unit
+def test_a_prompt_is_taken_as_typed():
+    """The closing command's prompt comes from the corpus: a line with "${" or the word None
+    made the pasted command fail (an interpolation, a null; review)."""
+    from mingpt_ddp.tools import sample
+
+    for prompt in ("open ${ brace", "None", "null", "x=1: y", ""):
+        assert sample.parse_args(["x", f"prompt={prompt}", "top_k=null"])[1].prompt == prompt

@@ -25,7 +25,8 @@ import hashlib
 import io
 import json
 import os
-from typing import Any, Iterable, NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -130,11 +131,27 @@ def weight_files(directory: str) -> list[str]:
     raise _refuse(directory, f"no {SAFETENSORS} or {BIN} (nor their .index.json shards) there: give {WHAT}")
 
 
-class Start(NamedTuple):
+@dataclass
+class Start:
     """The starting weights: their identity (plain types: it travels in snapshots) and, on a
     fresh start, this model's state dict (None on a resume, which never reads them)."""
     identity: dict[str, Any]
     weights: Optional[dict[str, torch.Tensor]]
+
+    def take_weights(self) -> Optional[dict[str, torch.Tensor]]:
+        """The state dict, given up here: once the model holds the values nothing else keeps a
+        whole copy for the run (every holder of this Start shares the cleared field)."""
+        weights, self.weights = self.weights, None
+        return weights
+
+
+def recorded_start(snapshot: Optional[dict[str, Any]], start: Optional[Start]) -> Optional[dict[str, Any]]:
+    """What a new snapshot records as its starting weights: on a resume the snapshot's (where
+    the weights came from, also when trainer.continue_with_new_settings let another
+    model.init_from through), on a fresh start this one's."""
+    if snapshot is not None:
+        return snapshot.get("init_from")
+    return start.identity if start is not None else None
 
 
 def _read(directory: str, keep: bool) -> tuple[dict[str, Any], list[bytes]]:
@@ -202,6 +219,9 @@ def _decode_or_refuse(directory: str, name: str, blob: Any) -> dict[str, torch.T
     except ConfigError:
         raise
     except Exception as exc:  # a damaged file, or a pickle with more than tensors in it
+        if isinstance(exc, __import__("pickle").UnpicklingError) and "weights_only" in str(exc):
+            raise _refuse(directory, f"{name} holds more than tensors (a pickle that would run code when loaded: "
+                                     "it was not); convert it to model.safetensors where you trust it") from None
         raise _refuse(directory, f"cannot load {name} ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})") \
             from None
 

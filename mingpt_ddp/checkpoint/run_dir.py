@@ -207,37 +207,55 @@ def _launch_started() -> Optional[float]:
         return None
 
 
-def note_if_new(run_dir: str, named: bool) -> None:
-    """Before anything writes there: whether this launch makes `run_dir`. Rank 0 knows when
-    it finds no directory; under torchrun another rank may have made it a moment earlier, so
-    Hydra's own run directory (not named on the command line: its name is this launch's run
-    id) counts as made by this launch when it changed after torchrun started. A directory
-    named on the command line counts only when rank 0 found none: a user's directory is
-    never taken away."""
+MADE_MARK = ".made-by"  # in a run directory a launch made: which launch (remove_if_refused)
+
+
+def _launch_id() -> str:
+    """The same on every rank of one launch on a node, another for a relaunch under the same
+    run id: torchrun's run id and its agent's start, or this process alone."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    return f"torchrun {run_id} {_launch_started()}" if run_id else f"pid {os.getpid()}"
+
+
+def note_if_new(run_dir: str) -> None:
+    """Before anything writes there: whether this launch makes `run_dir`. The rank whose mkdir
+    makes it marks it with this launch's id, so rank 0 knows it also when another rank of the
+    launch was first. A directory that was there before (a user's, an earlier attempt's under
+    the same run id) is never counted: nothing of it is ever taken away."""
     root = os.path.abspath(run_dir)
-    if not os.path.exists(root):
-        top = root
-        while not os.path.exists(os.path.dirname(top)):
-            top = os.path.dirname(top)
-        _made[root] = top
-    elif not named and os.environ.get("TORCHELASTIC_RUN_ID"):
-        started = _launch_started()
-        if started is not None and os.stat(root).st_ctime >= started - 1:
-            _made[root] = root
+    if os.path.exists(root):
+        try:
+            with open(os.path.join(root, MADE_MARK), encoding="utf-8") as f:
+                if f.read() == _launch_id():
+                    _made[root] = root
+        except OSError:
+            pass
+        return
+    top = root
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    try:
+        os.makedirs(os.path.dirname(root), exist_ok=True)
+        os.mkdir(root)
+    except OSError:  # another rank made it a moment ago (its mark may follow), or it cannot be made
+        return None
+    with open(os.path.join(root, MADE_MARK), "w", encoding="utf-8") as f:
+        f.write(_launch_id())
+    _made[root] = top
 
 
 def remove_if_refused(run_dir: str, output_subdir: Optional[str]) -> bool:
     """A run refused before it trained (a ConfigError at start): rank 0 takes away the run
     directory this launch made, when it holds nothing but what Hydra wrote (`.hydra/`,
-    main.log) and its own lock, so that a typo leaves no empty outputs/<run id>/ behind.
-    Never a sweep's (the caller's test), never a directory that was there before. Whether it went."""
+    main.log), the launch's mark and its own lock, so that a typo leaves no empty
+    outputs/<run id>/ behind. Never a sweep's (the caller's test), never a directory that was
+    there before. The lock is let go last: no other launch writes there meanwhile. Whether it went."""
     root = os.path.abspath(run_dir)
     if _rank() != 0 or root not in _made:
         return False
-    release_run_dir(root)
     hydra_dir = os.path.join(root, output_subdir) if output_subdir else None
     try:
-        if set(os.listdir(root)) - {LOG_FILE, output_subdir}:
+        if set(os.listdir(root)) - {LOG_FILE, output_subdir, MADE_MARK, RUN_DIR_LOCK}:
             return False
         if hydra_dir and os.path.isdir(hydra_dir) and set(os.listdir(hydra_dir)) - set(HYDRA_FILES):
             return False
@@ -246,8 +264,10 @@ def remove_if_refused(run_dir: str, output_subdir: Optional[str]) -> bool:
                 os.unlink(os.path.join(hydra_dir, name))
         if hydra_dir and os.path.isdir(hydra_dir):
             os.rmdir(hydra_dir)
-        if os.path.exists(os.path.join(root, LOG_FILE)):
-            os.unlink(os.path.join(root, LOG_FILE))
+        for name in (LOG_FILE, MADE_MARK):
+            if os.path.exists(os.path.join(root, name)):
+                os.unlink(os.path.join(root, name))
+        release_run_dir(root)
         os.rmdir(root)  # fails, leaving it, if anything appeared meanwhile
         parent, top = root, _made.pop(root)
         while parent != top and not os.listdir(os.path.dirname(parent)):  # outputs/, made for this run alone
@@ -282,8 +302,7 @@ class RunDirCheck(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         storage.redact_logs()
         try:
-            named = any(o.lstrip("+~").split("=", 1)[0] == "hydra.run.dir" for o in config.hydra.overrides.hydra)
-            note_if_new(str(config.hydra.run.dir), named)
+            note_if_new(str(config.hydra.run.dir))
             check_writable_dir(str(config.hydra.run.dir), "hydra.run.dir")
             refuse_a_live_run(config)
             hold_run_dir(str(config.hydra.run.dir))

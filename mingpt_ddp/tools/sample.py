@@ -96,6 +96,7 @@ def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
     try:
         # Values stay raw strings (a prompt like "ROMEO:" is not YAML); the schema converts types.
         pairs = dict(a.split("=", 1) for a in argv if "=" in a)
+        prompt = pairs.pop("prompt", None)  # text as typed: "None", "${...}" are words to continue, not values
         values = {k: None if v.lower() in ("null", "none") else v for k, v in pairs.items()}
         threads = values.get("cpu_threads")
         if threads is not None and not threads.strip().lstrip("-").isdigit():
@@ -103,7 +104,10 @@ def parse_args(argv: list[str]) -> tuple[str, SampleConfig]:
         merged = OmegaConf.merge(schema, values)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}\n{USAGE}") from None
-    return positional[0], SampleConfig(**OmegaConf.to_container(merged))
+    opts = SampleConfig(**OmegaConf.to_container(merged))
+    if prompt is not None:
+        opts.prompt = prompt
+    return positional[0], opts
 
 
 def cli(argv: Optional[list[str]] = None) -> None:
