@@ -222,6 +222,8 @@ def note_if_new(run_dir: str) -> None:
     makes it marks it with this launch's id, so rank 0 knows it also when another rank of the
     launch was first. A directory that was there before (a user's, an earlier attempt's under
     the same run id) is never counted: nothing of it is ever taken away."""
+    if "://" in run_dir:  # a URL: refused next (check_writable_dir), never made here as ./s3:/...
+        return
     root = os.path.abspath(run_dir)
     if os.path.exists(root):
         try:
